@@ -1,0 +1,1 @@
+"""Reference CPU driver: HF-order eager attention, KV writes by ``index_put_``."""

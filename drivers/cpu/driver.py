@@ -1,0 +1,46 @@
+"""The CPU device: synchronous, so every fence is complete when recorded."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from hal.eager import EagerBackend, TensorKVStore
+from hal.interfaces import CompletedFence, Device, Driver, Fence
+from hal.types import KVLayout
+
+
+class CpuDevice(Device):
+    device_type = "cpu"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_fence(self) -> Fence:
+        return CompletedFence()
+
+    def memory_stats(self) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # ru_maxrss is KiB on Linux, bytes on macOS.
+        return {"peak_rss_bytes": peak if sys.platform == "darwin" else peak * 1024}
+
+
+class CpuEagerBackend(EagerBackend):
+    name = "cpu_eager"
+
+
+class CpuDriver(Driver):
+    def create_kv_store(self, layout: KVLayout) -> TensorKVStore:
+        return TensorKVStore(layout, self.device.torch_device)
+
+
+def create(index: int | None = None) -> CpuDriver:
+    if index not in (None, 0):
+        raise ValueError(f"the cpu driver has one device, index 0; got cpu:{index}")
+    return CpuDriver("cpu", CpuDevice(), {"cpu_eager": CpuEagerBackend()}, "cpu_eager")

@@ -1,0 +1,98 @@
+"""CUDA device with ``torch.cuda.Event`` fences; ``cuda_eager`` (HF order) and ``cuda_sdpa``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hal.eager import EagerBackend, TensorKVStore, causal_mask, repeat_kv
+from hal.interfaces import AttentionBackend, Device, Driver, Fence
+from hal.types import KVLayout
+
+
+class CudaFence(Fence):
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class CudaDevice(Device):
+    device_type = "cuda"
+    visible_devices_env_var = "CUDA_VISIBLE_DEVICES"
+
+    def initialize(self) -> None:
+        if self._initialized:
+            return
+        count = torch.cuda.device_count()
+        if self.index >= count:
+            raise RuntimeError(
+                f"cuda:{self.index} requested but {count} CUDA device(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={__import__('os').environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
+        torch.cuda.set_device(self.index)
+        self._initialized = True
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def record_fence(self) -> Fence:
+        return CudaFence()
+
+    def memory_stats(self) -> dict[str, int]:
+        return {
+            "allocated_bytes": torch.cuda.memory_allocated(self.index),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.index),
+        }
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    @property
+    def pin_memory(self) -> bool:
+        return True
+
+
+class CudaEagerBackend(EagerBackend):
+    name = "cuda_eager"
+
+
+class CudaSdpaBackend(AttentionBackend):
+    """``scaled_dot_product_attention`` over gathered pages: fast, not bit-exact with HF."""
+
+    name = "cuda_sdpa"
+    hf_exact = False
+
+    def forward(self, query, plane, kv, meta, scaling):
+        _, heads, n, d = query.shape
+        out = query.new_empty(n, heads * d)
+        for seq in meta.seqs:
+            s, q_len = seq.query_start, seq.query_len
+            k, v = kv.gather(plane, seq.kv_slots)
+            n_rep = heads // k.shape[1]
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+            mask = None
+            if q_len > 1:
+                mask = causal_mask(q_len, seq.context_len, query.dtype, query.device)
+            o = F.scaled_dot_product_attention(
+                query[:, :, s : s + q_len], k, v, attn_mask=mask, scale=scaling
+            )
+            out[s : s + q_len] = o.transpose(1, 2).reshape(q_len, heads * d)
+        return out
+
+
+class CudaDriver(Driver):
+    def create_kv_store(self, layout: KVLayout) -> TensorKVStore:
+        self.device.initialize()
+        return TensorKVStore(layout, self.device.torch_device)
+
+
+def create(index: int | None = None) -> CudaDriver:
+    backends = {"cuda_eager": CudaEagerBackend(), "cuda_sdpa": CudaSdpaBackend()}
+    return CudaDriver("cuda", CudaDevice(index or 0), backends, "cuda_eager")

@@ -1,0 +1,1 @@
+"""Ascend NPU driver. Never imports torch_npu at module import time."""

@@ -1,0 +1,27 @@
+"""rlt-hal's hardware-abstraction layer: the contract between the runtime and device drivers."""
+
+from hal.hookspecs import hookimpl, hookspec
+from hal.interfaces import AttentionBackend, CompletedFence, Device, Driver, Fence, KVStore
+from hal.registry import DEVICE_ENV_VAR, Registry, Selection, default_registry, parse_device
+from hal.types import AttentionMetadata, DriverSpec, KVLayout, ProbeResult, SequenceSlice
+
+__all__ = [
+    "DEVICE_ENV_VAR",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "CompletedFence",
+    "Device",
+    "Driver",
+    "DriverSpec",
+    "Fence",
+    "KVLayout",
+    "KVStore",
+    "ProbeResult",
+    "Registry",
+    "Selection",
+    "SequenceSlice",
+    "default_registry",
+    "hookimpl",
+    "hookspec",
+    "parse_device",
+]

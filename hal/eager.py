@@ -1,0 +1,106 @@
+"""Arithmetic every driver shares: HF-order eager attention over gathered pages and the
+paged KV store on plain tensors.
+
+Bit-exactness with Hugging Face's ``eager_attention_forward`` depends not only on the order of
+operations but on the shapes and layouts handed to each matmul, so this module reproduces
+HF's per-request shapes: ``q [1, heads, q_len, d]`` against ``k, v [1, heads, kv_len, d]``,
+one request at a time, each query row seeing exactly its own context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hal.interfaces import AttentionBackend, KVStore
+from hal.types import AttentionMetadata, KVLayout
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[1, kv_heads, S, d]`` -> ``[1, kv_heads * n_rep, S, d]``, as HF materialises it."""
+    if n_rep == 1:
+        return x
+    b, kv_heads, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, kv_heads, n_rep, s, d).reshape(b, kv_heads * n_rep, s, d)
+
+
+def causal_mask(q_len: int, context_len: int, dtype: torch.dtype, device: torch.device):
+    """Additive mask ``[1, 1, q_len, context_len + q_len]``: 0 where allowed, finfo.min where not.
+
+    Query row i sits at position ``context_len + i`` and sees keys ``0 .. context_len + i``.
+    """
+    kv_len = context_len + q_len
+    rows = torch.arange(q_len, device=device)[:, None] + context_len
+    cols = torch.arange(kv_len, device=device)[None, :]
+    mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device)
+    mask.masked_fill_(cols > rows, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, context_len: int
+) -> torch.Tensor:
+    """HF eager order for one request. q ``[1, H, S, d]``, k/v ``[1, Hkv, kv_len, d]``.
+
+    Returns ``[1, S, H, d]`` contiguous, as HF hands it to o_proj.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    k = repeat_kv(k, n_rep)
+    v = repeat_kv(v, n_rep)
+    s = torch.matmul(q, k.transpose(2, 3)) * scaling  # [1, H, S, kv_len], bf16 then rounded
+    q_len = q.shape[2]
+    if q_len > 1:
+        # A one-row query sees its whole context; adding a zero mask would change no bit.
+        s = s + causal_mask(q_len, context_len, s.dtype, s.device)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    o = torch.matmul(p, v)  # [1, H, S, d]
+    return o.transpose(1, 2).contiguous()
+
+
+def paged_eager_attention(
+    query: torch.Tensor, plane: int, kv: KVStore, meta: AttentionMetadata, scaling: float
+) -> torch.Tensor:
+    """Per-request HF-order attention over K/V gathered from ``plane`` of the paged cache."""
+    _, heads, n, d = query.shape
+    out = query.new_empty(n, heads * d)
+    for seq in meta.seqs:
+        start, q_len = seq.query_start, seq.query_len
+        q = query[:, :, start : start + q_len, :]
+        k, v = kv.gather(plane, seq.kv_slots)
+        o = eager_attention(q, k, v, scaling, seq.context_len)
+        out[start : start + q_len] = o.view(q_len, heads * d)
+    return out
+
+
+class EagerBackend(AttentionBackend):
+    """HF eager order over gathered pages; drivers subclass it only to give it their name."""
+
+    name = "eager"
+    hf_exact = True
+
+    def forward(self, query, plane, kv, meta, scaling):
+        return paged_eager_attention(query, plane, kv, meta, scaling)
+
+
+class TensorKVStore(KVStore):
+    """Paged K/V on plain torch tensors: ``[planes, num_blocks * block_size, kv_heads, d]``.
+
+    Subclasses choose how rows are written (``index_put_`` on CPU/CUDA, ScatterND on Ascend).
+    """
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        super().__init__(layout, device)
+        shape = (layout.num_planes, layout.num_slots, layout.num_kv_heads, layout.head_dim)
+        self.key_cache = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.value_cache = torch.zeros(shape, dtype=layout.dtype, device=device)
+
+    def _write_rows(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        cache.index_put_((slots,), rows)
+
+    def write(self, plane, key, value, slots):
+        self._write_rows(self.key_cache[plane], slots, key)
+        self._write_rows(self.value_cache[plane], slots, value)
+
+    def gather(self, plane, slots):
+        k = self.key_cache[plane].index_select(0, slots)  # [len, kv_heads, d]
+        v = self.value_cache[plane].index_select(0, slots)
+        return k.transpose(0, 1).contiguous()[None], v.transpose(0, 1).contiguous()[None]

@@ -1,0 +1,154 @@
+"""The interfaces a driver implements: Fence, Device, KVStore, AttentionBackend, Driver.
+
+Static facts are typed class attributes; behaviour is methods that either have a safe default
+or raise NotImplementedError. Nothing here imports a driver or the runtime.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+
+from hal.types import AttentionMetadata, KVLayout
+
+
+class Fence(abc.ABC):
+    """A point in a device's work queue. ``done()`` polls, ``wait()`` blocks until reached."""
+
+    @abc.abstractmethod
+    def done(self) -> bool: ...
+
+    @abc.abstractmethod
+    def wait(self) -> None: ...
+
+
+class CompletedFence(Fence):
+    """The fence of a synchronous device: complete the moment it is recorded."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class Device(abc.ABC):
+    """One accelerator (or the host). Initialises lazily: construction never touches hardware."""
+
+    device_type: ClassVar[str]
+    # The environment variable that restricts which devices the process sees, if any.
+    visible_devices_env_var: ClassVar[str | None] = None
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+        self._initialized = False
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    def initialize(self) -> None:
+        """Import the vendor stack and select the device. Idempotent."""
+        self._initialized = True
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device_type, self.index)
+
+    @abc.abstractmethod
+    def synchronize(self) -> None: ...
+
+    @abc.abstractmethod
+    def record_fence(self) -> Fence: ...
+
+    def memory_stats(self) -> dict[str, int]:
+        return {}
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host buffers feeding this device should be pinned."""
+        return False
+
+
+class KVStore(abc.ABC):
+    """One paged cache holding ``layout.num_planes`` (= T * L) planes of K and V.
+
+    Slot ``s`` of a plane is token ``s % block_size`` of block ``s // block_size``.
+    """
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+
+    @abc.abstractmethod
+    def write(
+        self, plane: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Store ``key``/``value`` rows (``[N, kv_heads, head_dim]``) at ``slots`` (``[N]``)."""
+
+    @abc.abstractmethod
+    def gather(self, plane: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the rows at ``slots`` as contiguous ``[1, kv_heads, len(slots), head_dim]``."""
+
+
+class AttentionBackend(abc.ABC):
+    """Attention over the paged cache for every request of a step."""
+
+    name: ClassVar[str]
+    # True when the backend reproduces HF eager's rounding order bit for bit.
+    hf_exact: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        plane: int,
+        kv: KVStore,
+        meta: AttentionMetadata,
+        scaling: float,
+    ) -> torch.Tensor:
+        """``query``: ``[1, heads, N, head_dim]`` (HF layout, N = all tokens of the step).
+
+        Returns ``[N, heads * head_dim]``, rows in the same order as the queries.
+        """
+
+
+class Driver:
+    """A device with its attention backends and its KV store factory."""
+
+    def __init__(
+        self,
+        name: str,
+        device: Device,
+        backends: Mapping[str, AttentionBackend],
+        default_backend: str,
+    ) -> None:
+        if default_backend not in backends:
+            raise ValueError(f"default backend {default_backend!r} is not among {sorted(backends)}")
+        self.name = name
+        self.device = device
+        self.backends = dict(backends)
+        self.default_backend = default_backend
+        self.selection: object | None = None  # hal.registry.Selection, set by Registry.create
+
+    def backend(self, name: str | None = None) -> AttentionBackend:
+        name = name or self.default_backend
+        if name not in self.backends:
+            known = ", ".join(sorted(self.backends))
+            raise ValueError(
+                f"attention backend {name!r} is not offered by driver {self.name!r}; "
+                f"choose one of: {known}"
+            )
+        return self.backends[name]
+
+    def create_kv_store(self, layout: KVLayout) -> KVStore:
+        raise NotImplementedError(f"driver {self.name!r} does not provide a KV store")
+
+    def __repr__(self) -> str:
+        return f"Driver({self.name!r}, backends={sorted(self.backends)})"

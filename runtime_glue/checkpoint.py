@@ -1,0 +1,175 @@
+"""Ouro checkpoints in the Hugging Face layout: strict validation, then loading.
+
+Every expected tensor is checked (present, no extras, shape, dtype, bytes inside the file)
+from the safetensors headers alone, before a single weight is read or any compute runs.
+Errors name the file and the tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors import safe_open
+
+from runtime_glue.config import OuroConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+_DTYPE_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config.json (message names file and tensor)."""
+
+
+@attrs.frozen
+class TensorEntry:
+    name: str
+    file: Path
+    dtype: str  # safetensors spelling: BF16, F32, ...
+    shape: tuple[int, ...]
+
+
+def expected_tensors(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an Ouro checkpoint with this config holds."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q_out, h),
+            p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h),
+            p + "self_attn.o_proj.weight": (h, q_out),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+        for norm in ("input_layernorm", "input_layernorm_2",
+                     "post_attention_layernorm", "post_attention_layernorm_2"):
+            shapes[p + norm + ".weight"] = (h,)
+    shapes.update({
+        "model.norm.weight": (h,),
+        "model.early_exit_gate.weight": (1, h),
+        "model.early_exit_gate.bias": (1,),
+        "lm_head.weight": (cfg.vocab_size, h),
+    })
+    return shapes
+
+
+def read_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse one safetensors header and check that every tensor's bytes lie inside the file."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{path}: truncated or corrupt safetensors header "
+                                  f"(header says {header_len} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+    data_size = size - 8 - header_len
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        shape = tuple(int(s) for s in info["shape"])
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end > data_size:
+            raise CheckpointError(f"{path}: tensor {name!r} is truncated (needs bytes up to "
+                                  f"{end}, the file's data section has {data_size})")
+        if end - start != numel * _DTYPE_SIZES.get(info["dtype"], 0):
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - start} bytes, which does "
+                                  f"not match dtype {info['dtype']} and shape {list(shape)}")
+        entries[name] = TensorEntry(name, path, info["dtype"], shape)
+    return entries
+
+
+def index_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
+    """Every tensor of a single-file or sharded checkpoint, from the headers alone."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        weight_map = None
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files (and no {INDEX_FILE})")
+    entries: dict[str, TensorEntry] = {}
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"{index_path}: lists shard {path.name!r}, which is missing")
+        for name, entry in read_header(path).items():
+            if name in entries:
+                raise CheckpointError(f"{path}: tensor {name!r} also appears in "
+                                      f"{entries[name].file.name}")
+            entries[name] = entry
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in entries or entries[name].file.name != Path(shard).name:
+                raise CheckpointError(f"{index_path}: says tensor {name!r} is in {shard!r}, "
+                                      "but that shard does not hold it")
+    return entries
+
+
+def validate(entries: dict[str, TensorEntry], cfg: OuroConfig, model_dir: str | Path) -> None:
+    expected = expected_tensors(cfg)
+    want_dtype = {v: k for k, v in _DTYPE_NAMES.items()}[cfg.torch_dtype]
+    missing = [n for n in expected if n not in entries]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"{model_dir}: missing tensor(s) {shown}")
+    unexpected = sorted(set(entries) - set(expected))
+    if unexpected:
+        e = entries[unexpected[0]]
+        raise CheckpointError(f"{e.file}: unexpected tensor {e.name!r} (and {len(unexpected) - 1}"
+                              " more); it is not part of an Ouro model with this config.json")
+    for name, shape in expected.items():
+        e = entries[name]
+        if e.shape != shape:
+            raise CheckpointError(f"{e.file}: tensor {name!r} has shape {list(e.shape)}, "
+                                  f"config.json implies {list(shape)}")
+        if e.dtype != want_dtype:
+            raise CheckpointError(f"{e.file}: tensor {name!r} has dtype {e.dtype}, expected "
+                                  f"{want_dtype} ({cfg.torch_dtype})")
+
+
+def load_weights(
+    model_dir: str | Path, cfg: OuroConfig, device: torch.device, progress: bool = False
+) -> dict[str, torch.Tensor]:
+    """Validate the whole checkpoint, then read every tensor onto ``device``."""
+    entries = index_checkpoint(model_dir)
+    validate(entries, cfg, model_dir)
+    by_file: dict[Path, list[str]] = {}
+    for name, e in entries.items():
+        by_file.setdefault(e.file, []).append(name)
+    weights = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(entries), desc="loading weights", unit="tensor")
+    for path, names in sorted(by_file.items()):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                weights[name] = f.get_tensor(name).to(device)
+                if bar is not None:
+                    bar.update()
+    if bar is not None:
+        bar.close()
+    return weights

@@ -1,0 +1,151 @@
+"""The ``rlt-hal`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+RANDOM_BANNER = (
+    "NOTE: no --model given; using the embedded toy checkpoint with RANDOM weights. "
+    "Its output is random text. Pass --model /path/to/Ouro-1.4B for a real model."
+)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Ouro checkpoint directory (default: embedded random toy)")
+    p.add_argument("--device", help="cpu, cuda[:N], npu[:N] or auto (default: $VLLM_RLT_DEVICE "
+                   "or auto)")
+    p.add_argument("--attention-backend", help="e.g. cpu_eager, cuda_sdpa, ascend_eager")
+    p.add_argument("--block-size", type=int, default=128)
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=int)
+    pool.add_argument("--kv-cache-memory", type=int, metavar="BYTES")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--prefill-chunk-size", type=int)
+
+
+def build_llm(args: argparse.Namespace, progress: bool = True):
+    from runtime_glue.llm import LLM
+
+    if args.model is None:
+        print(RANDOM_BANNER, file=sys.stderr)
+    return LLM(
+        model=args.model, device=args.device, attention_backend=args.attention_backend,
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size, progress=progress,
+    )
+
+
+def cmd_drivers(args: argparse.Namespace) -> int:
+    from hal.registry import default_registry
+
+    rows = [{"name": spec.name, "available": probe.available, "reason": probe.reason,
+             "description": spec.description}
+            for spec, probe in default_registry().probe_all()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        state = "available" if r["available"] else f"unavailable: {r['reason']}"
+        print(f"{r['name']:<8} {state}")
+    return 0
+
+
+def cmd_toy_checkpoint(args: argparse.Namespace) -> int:
+    from runtime_glue.toy import preset_config, write_checkpoint
+
+    cfg = preset_config(args.preset, total_ut_steps=args.loops)
+    path = write_checkpoint(args.dir, cfg, seed=args.seed, shards=args.shards)
+    print(f"wrote a random {args.preset} Ouro checkpoint to {path}")
+    return 0
+
+
+def _prompt_ids(args: argparse.Namespace) -> list[int] | str:
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, "
+                             f"got {args.prompt_ids!r}") from None
+    return args.prompt
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from runtime_glue.sampling import SamplingParams
+
+    prompt = _prompt_ids(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed, ignore_eos=args.ignore_eos)
+    llm = build_llm(args, progress=not args.json)
+    start = time.perf_counter()
+    out = llm.generate([prompt], params)[0]
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({
+            "device": llm.driver.name, "attention_backend": llm.model.backend.name,
+            "prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.token_ids),
+            "text": out.text, "finish_reason": out.finish_reason,
+            "elapsed_s": round(elapsed, 4),
+            "tokens_per_s": round(len(out.token_ids) / elapsed, 3) if elapsed else None,
+        }))
+    else:
+        print(out.text)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """The main job without a server: generate from the default (or given) checkpoint."""
+    args.prompt_ids, args.temperature, args.seed, args.json = None, 0.0, None, False
+    args.ignore_eos = True
+    print(f"prompt: {args.prompt!r}")
+    return cmd_generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlt-hal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("drivers", help="list drivers and whether each can run here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_drivers)
+    p = sub.add_parser("toy-checkpoint", help="write a small random Ouro checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "ouro-1.4b-shape"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loops", type=int, default=4, help="total_ut_steps")
+    p.add_argument("--shards", type=int, default=1)
+    p.set_defaults(func=cmd_toy_checkpoint)
+    p = sub.add_parser("generate", help="generate for one prompt")
+    _add_engine_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("run", help="generate from the embedded default checkpoint")
+    _add_engine_args(p)
+    p.add_argument("--prompt", default="The quick brown fox")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"rlt-hal: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

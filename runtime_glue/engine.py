@@ -1,0 +1,297 @@
+"""The serving engine: FCFS scheduling, continuous batching, chunked prefill, request lifecycle.
+
+Each ``step()`` batches one decode token for every running request that finished its prompt
+with the next prompt chunk of requests still in prefill, under the ``max_num_seqs`` and
+``max_num_batched_tokens`` budgets, runs the model once and samples. Admission reserves the
+pages a request can ever need (prompt + max_tokens), so a running request never waits for
+memory and never needs preempting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import attrs
+import torch
+
+from hal.interfaces import Device
+from hal.types import AttentionMetadata, SequenceSlice
+from runtime_glue.kv_manager import BlockAllocator
+from runtime_glue.model import OuroModel
+from runtime_glue.request import Request, RequestOutput, Status
+from runtime_glue.sampling import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+    prefill_chunk_size: int | None = None  # None: full prefill
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request can decode"
+            )
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+
+
+class StepBuffers:
+    """Host buffers for one step's metadata, reused only after that step's fence completed."""
+
+    def __init__(self, size: int, pin: bool) -> None:
+        def buf():
+            return torch.empty(size, dtype=torch.int64, pin_memory=pin)
+
+        self.input_ids, self.positions, self.sample_rows = buf(), buf(), buf()
+        self.fence = None
+        self.fence_waits = 0
+
+    def acquire(self) -> StepBuffers:
+        if self.fence is not None and not self.fence.done():
+            self.fence_waits += 1
+            self.fence.wait()
+        self.fence = None
+        return self
+
+
+class Engine:
+    def __init__(
+        self,
+        model: OuroModel,
+        device: Device,
+        allocator: BlockAllocator,
+        config: EngineConfig | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        tokenizer=None,
+        max_model_len: int | None = None,
+        num_buffers: int = 2,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.allocator = allocator
+        self.config = config or EngineConfig()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len or model.cfg.max_position_embeddings
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        size = self.config.max_num_batched_tokens
+        self.buffers = [StepBuffers(size, device.pin_memory) for _ in range(num_buffers)]
+        self.num_steps = 0
+        self.stats = {"finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.allocator.num_blocks * self.allocator.block_size
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError for a request that could never run here ("never", not "not now")."""
+        need = num_prompt_tokens + max_tokens
+        if need > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {need} "
+                f"exceeds the model's maximum length of {self.max_model_len} tokens"
+            )
+        if need > self.pool_tokens:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need} "
+                f"tokens of KV cache, but the whole pool holds {self.pool_tokens} tokens "
+                f"({self.allocator.num_blocks} blocks of {self.allocator.block_size})"
+            )
+        if self.config.prefill_chunk_size is None and \
+                num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"prompt of {num_prompt_tokens} tokens exceeds max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) with full prefill; raise "
+                "--max-num-batched-tokens or set --prefill-chunk-size"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        return_logits: bool = False,
+    ) -> None:
+        params = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already live")
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
+                             f"vocabulary [0, {vocab})")
+        self.check_fits(len(prompt_token_ids), params.max_tokens)
+        req = Request(request_id, [int(t) for t in prompt_token_ids], params, return_logits,
+                      arrival_time=time.monotonic())
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
+            req.generator = torch.Generator().manual_seed(seed)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a live request in any state and free its pages; False if it is not live."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "abort")
+        self.stats["aborted"] += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        self.allocator.reclaim()
+        return self.allocator.num_free
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+        if req.blocks:
+            self.allocator.free_after(req.blocks, req.last_fence)
+            req.blocks, req.slots = [], None
+        req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
+        self.requests.pop(req.request_id, None)
+
+    # -- scheduling ------------------------------------------------------------------------
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.prefill_chunk_size
+        plan: list[tuple[Request, int]] = []
+        for req in self.running:
+            remaining = len(req.prompt_ids) - req.num_computed
+            if remaining <= 0:
+                n = 1
+            elif chunk is None:
+                n = remaining if remaining <= budget else 0
+            else:
+                n = min(remaining, chunk, budget)
+            if n > 0:
+                plan.append((req, n))
+                budget -= n
+        self.allocator.reclaim()
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            prompt_len = len(req.prompt_ids)
+            n = prompt_len if chunk is None else min(prompt_len, chunk, budget)
+            if n > budget:
+                break
+            blocks = self.allocator.allocate(
+                self.allocator.blocks_for(prompt_len + req.params.max_tokens))
+            if blocks is None:
+                break  # FCFS: later requests wait behind this one
+            self.waiting.popleft()
+            self._admit(req, blocks)
+            plan.append((req, n))
+            budget -= n
+        return plan
+
+    def _admit(self, req: Request, blocks: list[int]) -> None:
+        bs = self.allocator.block_size
+        table = torch.tensor(blocks, dtype=torch.int64)
+        slots = (table[:, None] * bs + torch.arange(bs)).flatten()
+        req.blocks = blocks
+        req.slots = slots.to(self.device.torch_device)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def _build_step(self, plan: list[tuple[Request, int]]):
+        total = sum(n for _, n in plan)
+        buf = self.buffers[self.num_steps % len(self.buffers)].acquire()
+        ids, pos, rows = buf.input_ids, buf.positions, buf.sample_rows
+        seqs, slot_parts, sampled, tokens = [], [], [], []
+        start = 0
+        for req, n in plan:
+            ctx = req.num_computed
+            tokens.extend(req.tokens(ctx, ctx + n))
+            torch.arange(ctx, ctx + n, out=pos[start : start + n])
+            seqs.append(SequenceSlice(start, n, ctx, req.slots[: ctx + n]))
+            slot_parts.append(req.slots[ctx : ctx + n])
+            if ctx + n == req.num_tokens:
+                rows[len(sampled)] = start + n - 1
+                sampled.append(req)
+            start += n
+        ids[:total] = torch.tensor(tokens, dtype=torch.int64)
+        dev = self.device.torch_device
+        nonblock = self.device.pin_memory
+        meta = AttentionMetadata(tuple(seqs), torch.cat(slot_parts), total)
+        return (buf, ids[:total].to(dev, non_blocking=nonblock),
+                pos[:total].to(dev, non_blocking=nonblock),
+                rows[: len(sampled)].to(dev, non_blocking=nonblock), meta, sampled)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self._schedule()
+        if not plan:
+            if self.waiting and not self.running:
+                self.allocator.reclaim(wait=True)
+            return []
+        buf, ids, pos, rows, meta, sampled = self._build_step(plan)
+        try:
+            logits = self.model.forward(ids, pos, meta, rows).float().cpu()
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            logger.exception("step %d failed", self.num_steps)
+            fence = self.device.record_fence()
+            for req, _ in plan:
+                req.last_fence = fence
+                self._finish(req, "error", f"{type(exc).__name__}: {exc}")
+                self.stats["failed"] += 1
+            return [self._output(req, ()) for req, _ in plan]
+        fence = self.device.record_fence()
+        buf.fence = fence
+        self.num_steps += 1
+        for req, n in plan:
+            req.num_computed += n
+            req.last_fence = fence
+        outputs = []
+        for i, req in enumerate(sampled):
+            token = sample(logits[i], req.params, req.generator)
+            if req.return_logits:
+                req.logits.append(logits[i].clone())
+            req.output_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            self.stats["generated_tokens"] += 1
+            self._check_stop(req, token)
+            outputs.append(self._output(req, (token,)))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        params = req.params
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            self._finish(req, "stop")
+        elif params.stop and any(s in req.text for s in params.stop):
+            cut = min(req.text.find(s) for s in params.stop if s in req.text)
+            req.text = req.text[:cut]
+            self._finish(req, "stop")
+        elif len(req.output_ids) >= params.max_tokens:
+            self._finish(req, "length")
+        if req.finished and req.finish_reason != "abort":
+            self.stats["finished"] += 1
+
+    def _output(self, req: Request, new: tuple[int, ...]) -> RequestOutput:
+        return RequestOutput(req.request_id, new, tuple(req.output_ids), req.text,
+                             req.finished, req.finish_reason, req.error, len(req.prompt_ids))

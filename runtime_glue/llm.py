@@ -1,0 +1,145 @@
+"""``LLM``: load a checkpoint onto a driver and generate, the Python entry point of rlt-hal."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import attrs
+import torch
+
+from hal.registry import Registry, default_registry
+from hal.types import KVLayout, check_block_size
+from runtime_glue.checkpoint import load_weights
+from runtime_glue.config import OuroConfig
+from runtime_glue.engine import Engine, EngineConfig
+from runtime_glue.kv_manager import BlockAllocator
+from runtime_glue.model import OuroModel
+from runtime_glue.sampling import SamplingParams
+from runtime_glue.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
+DEFAULT_TOY_PRESET = "small"
+
+
+@attrs.frozen
+class CompletionOutput:
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    logits: torch.Tensor | None = None  # float32 [generated, vocab], final-loop logits
+
+
+def default_model_dir() -> Path:
+    """The embedded default: a random toy checkpoint written once into a cache directory."""
+    from runtime_glue.toy import preset_config, write_checkpoint
+
+    cache = Path(os.environ.get("RLT_HAL_CACHE", Path.home() / ".cache" / "rlt-hal"))
+    path = cache / f"toy-{DEFAULT_TOY_PRESET}-seed0"
+    if not (path / "config.json").is_file():
+        logger.warning("writing the embedded toy checkpoint to %s", path)
+        write_checkpoint(path, preset_config(DEFAULT_TOY_PRESET), seed=0)
+    return path
+
+
+def pool_blocks(layout_bytes_per_token: int, block_size: int, num_blocks: int | None,
+                kv_cache_memory: int | None) -> int:
+    if num_blocks is not None and kv_cache_memory is not None:
+        raise ValueError("give either num_blocks or kv_cache_memory, not both")
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        return num_blocks
+    memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+    blocks = memory // (layout_bytes_per_token * block_size)
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory {memory} bytes holds no block of {block_size} tokens "
+                         f"({layout_bytes_per_token} bytes per token)")
+    return int(blocks)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        device: str | None = None,
+        dtype: str = "bfloat16",
+        attention_backend: str | None = None,
+        block_size: int = 128,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 8192,
+        prefill_chunk_size: int | None = None,
+        registry: Registry | None = None,
+        driver_options: dict | None = None,
+        progress: bool = False,
+    ) -> None:
+        if dtype != "bfloat16":
+            raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {dtype!r}")
+        check_block_size(block_size)
+        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.config = OuroConfig.from_dir(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.driver = (registry or default_registry()).create(device, **(driver_options or {}))
+        self.driver.device.initialize()
+        backend = self.driver.backend(attention_backend)
+        weights = load_weights(self.model_dir, self.config, self.driver.device.torch_device,
+                               progress=progress)
+        cfg = self.config
+        probe = KVLayout(cfg.num_planes, 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        blocks = pool_blocks(probe.bytes_per_token, block_size, num_blocks, kv_cache_memory)
+        self.kv_layout = attrs.evolve(probe, num_blocks=blocks)
+        self.kv_store = self.driver.create_kv_store(self.kv_layout)
+        self.model = OuroModel(cfg, weights, backend, self.kv_store)
+        self.engine = Engine(
+            self.model,
+            self.driver.device,
+            BlockAllocator(blocks, block_size),
+            EngineConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk_size),
+            eos_token_ids=cfg.eos_token_ids,
+            tokenizer=self.tokenizer,
+        )
+        self._next_id = 0
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | None = None,
+        return_logits: bool = False,
+    ) -> list[CompletionOutput]:
+        """Run every prompt through the engine together; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        encoded = [self.encode(p) for p in prompts]
+        for i, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            self.engine.check_fits(len(ids), params.max_tokens)
+        ids_by_request = {}
+        for ids in encoded:
+            rid = f"llm-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, ids, params, return_logits)
+            ids_by_request[rid] = ids
+        reqs = {rid: self.engine.requests[rid] for rid in ids_by_request}
+        while self.engine.has_unfinished():
+            self.engine.step()
+        outputs = []
+        for rid, req in reqs.items():
+            if req.finish_reason == "error":
+                raise RuntimeError(f"request {rid} failed: {req.error}")
+            logits = torch.stack(req.logits) if return_logits else None
+            outputs.append(CompletionOutput(tuple(ids_by_request[rid]), tuple(req.output_ids),
+                                            req.text, req.finish_reason, logits))
+        return outputs

@@ -1,0 +1,70 @@
+"""A request's state inside the engine, and what the engine reports about it each step."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import torch
+
+from runtime_glue.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logits: bool = False
+    status: Status = Status.WAITING
+    output_ids: list[int] = attrs.field(factory=list)
+    blocks: list[int] = attrs.field(factory=list)
+    slots: torch.Tensor | None = None  # device int64, a slot per reserved position
+    num_computed: int = 0  # tokens whose K/V is already in every plane
+    finish_reason: str | None = None
+    error: str | None = None
+    text: str = ""
+    logits: list[torch.Tensor] = attrs.field(factory=list)
+    generator: torch.Generator | None = None
+    last_fence: object | None = None  # Fence of the last step that read this request's pages
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start .. stop-1`` of prompt + output."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return (self.prompt_ids + self.output_ids)[start:stop]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@attrs.frozen
+class RequestOutput:
+    """One request's news after a step: tokens added this step, and the state so far."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0

@@ -1,0 +1,59 @@
+"""Sampling parameters and the token choice: greedy (exact) or seeded random sampling."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+def _positive(_, attribute, value):
+    if value is not None and value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
+@attrs.frozen
+class SamplingParams:
+    max_tokens: int = attrs.field(default=16, validator=_positive)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s or ()))
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Choose one token from ``logits [vocab]`` (float32).
+
+    Greedy takes the first maximum, as HF's argmax does. Sampling is reproducible for a fixed
+    ``generator`` seed: temperature, then top-k, then top-p, then one multinomial draw.
+    """
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits / params.temperature
+    if params.top_k > 0 and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        drop = cumulative - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

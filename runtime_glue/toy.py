@@ -1,0 +1,147 @@
+"""Small random Ouro checkpoints in the real HF layout, with a real byte-level BPE tokenizer.
+
+Tests and ``make serve`` use these; their output is random text. Weights are drawn large
+enough that greedy decoding does not collapse into one repeated token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from runtime_glue.checkpoint import INDEX_FILE, expected_tensors
+from runtime_glue.config import OuroConfig
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOKENIZER_VOCAB = 1024
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "small": dict(vocab_size=TOKENIZER_VOCAB, hidden_size=256, intermediate_size=688,
+                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32),
+    "ouro-1.4b-shape": dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632,
+                            num_hidden_layers=24, num_attention_heads=16,
+                            num_key_value_heads=16, head_dim=128),
+}
+
+_CORPUS = """\
+Ouro is a looped language model: it runs the same stack of decoder layers several times for
+every token, and each pass refines the hidden state before the next one begins. The runtime
+keeps a separate key and value cache for every loop and every layer, so four loops over
+twenty-four layers means ninety-six planes of cache for each request.
+An inference server accepts requests over HTTP, schedules them in batches, runs the model on
+an accelerator and streams the generated tokens back to the client as server-sent events.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 16 32 64 128 256 512 1024 2048 4096.
+def main():\n    print("hello, world")\n    return 0\n
+User: What is two plus two? Assistant: Two plus two is four.
+The Ascend NPU, the CUDA GPU and the CPU each run the same model through one driver interface.
+"""
+
+
+def preset_config(preset: str, total_ut_steps: int = 4, **overrides) -> OuroConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    values = {**PRESETS[preset], "total_ut_steps": total_ut_steps,
+              "eos_token_ids": (0, 2), "bos_token_id": 1, **overrides}
+    return OuroConfig(**values)
+
+
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
+    """A byte-level BPE (``tokenizers``) with Ouro's special tokens at ids 0, 1, 2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Numbers give the trainer enough distinct pairs to fill the vocabulary deterministically.
+    numbers = " ".join(f"{i} {i * 37 % 9973}" for i in range(4000))
+    tok.train_from_iterator([_CORPUS] * 4 + [numbers], trainer)
+    return tok
+
+
+def random_weights(cfg: OuroConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random bf16 weights that keep greedy decoding varied.
+
+    Unit-scale embeddings; 1/sqrt(fan_in) projections with sharper q/k (peaked attention) and
+    lm_head (fewer near-ties); the sandwich norms' second weights near 0.3 so each block adds
+    to the residual without washing out the token's identity. With all gains at 1, greedy
+    sequences collapse into a handful of repeated tokens.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_tensors(cfg).items():
+        if name.endswith("layernorm_2.weight"):
+            w = 0.3 * (1.0 + 0.1 * torch.randn(shape, generator=gen))
+        elif name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            w = torch.randn(shape, generator=gen)
+        elif name == "model.early_exit_gate.bias":
+            w = torch.zeros(shape)
+        else:
+            gain = _GAINS.get(name.rsplit(".", 2)[-2], 1.0)
+            w = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[-1]))
+        weights[name] = w.to(torch.bfloat16).contiguous()
+    return weights
+
+
+_GAINS = {"q_proj": 2.0, "k_proj": 2.0, "lm_head": 4.0}
+
+
+def write_checkpoint(
+    out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards: int = 1
+) -> Path:
+    """Write config.json, safetensors (``shards`` > 1: with an index) and the tokenizer."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    weights = random_weights(cfg, seed)
+    if shards <= 1:
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        names = list(weights)
+        weight_map = {}
+        for k in range(shards):
+            fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: weights[n] for n in names[k::shards]}
+            save_file(part, str(out / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, fname))
+        total = sum(w.numel() * w.element_size() for w in weights.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    write_tokenizer(out)
+    return out
+
+
+def write_tokenizer(out: Path) -> None:
+    train_tokenizer().save(str(out / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 65536,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}, indent=2))

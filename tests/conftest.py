@@ -1,0 +1,94 @@
+"""Shared fixtures: hardware flags, toy checkpoints written once per session, the driver list."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime_glue.config import OuroConfig
+from runtime_glue.toy import preset_config, write_checkpoint
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-npu", action="store_true", help="run tests that need an Ascend NPU")
+    parser.addoption("--run-cuda", action="store_true", help="run tests that need a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    for flag, marker in (("--run-npu", "npu"), ("--run-cuda", "cuda")):
+        if config.getoption(flag):
+            continue
+        skip = pytest.mark.skip(reason=f"needs real hardware; enable with pytest {flag}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
+
+
+# name -> config overrides on top of the tiny preset. Widths, heads, GQA, head_dim, layers and
+# loops vary; "wide*" have Ouro-1.4B's real width (hidden 2048, head_dim 128), where bf16
+# kernel-path differences show up that tiny widths hide.
+PARITY_CONFIGS = {
+    "gqa-h64-d32-L2-T4": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, num_hidden_layers=2, total_ut_steps=4),
+    "mha-h96-d32-L1-T1": dict(hidden_size=96, intermediate_size=192, num_attention_heads=3,
+                              num_key_value_heads=3, head_dim=32, num_hidden_layers=1,
+                              total_ut_steps=1),
+    "mqa-h128-d64-L2-T2": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=64, num_hidden_layers=2,
+                               total_ut_steps=2),
+    "gqa-h256-d32-L3-T4": dict(hidden_size=256, intermediate_size=688, num_attention_heads=8,
+                               num_key_value_heads=4, head_dim=32, num_hidden_layers=3,
+                               total_ut_steps=4),
+    "mha-h128-d128-L1-T4": dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=128, num_hidden_layers=1,
+                                total_ut_steps=4),
+    "wide-h2048-d128-L1-T4": dict(hidden_size=2048, intermediate_size=5632,
+                                  num_attention_heads=16, num_key_value_heads=16, head_dim=128,
+                                  num_hidden_layers=1, total_ut_steps=4),
+    "wide-gqa-h2048-d128-L2-T2": dict(hidden_size=2048, intermediate_size=2048,
+                                      num_attention_heads=16, num_key_value_heads=4,
+                                      head_dim=128, num_hidden_layers=2, total_ut_steps=2),
+}
+
+
+class CheckpointFactory:
+    """Writes each (name, overrides, seed) checkpoint once per test session."""
+
+    def __init__(self, tmp_path_factory):
+        self.tmp = tmp_path_factory
+        self.cache = {}
+
+    def __call__(self, name: str = "tiny", seed: int = 0, preset: str = "tiny", **overrides):
+        key = (name, preset, seed, tuple(sorted(overrides.items())))
+        if key not in self.cache:
+            cfg = preset_config(preset, **overrides)
+            path = self.tmp.mktemp(f"ckpt-{name}")
+            write_checkpoint(path, cfg, seed=seed)
+            self.cache[key] = path
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    return CheckpointFactory(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(checkpoints):
+    return checkpoints("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_ckpt) -> OuroConfig:
+    return OuroConfig.from_dir(tiny_ckpt)
+
+
+def available_drivers() -> list[str]:
+    from hal.registry import default_registry
+
+    return [spec.name for spec, probe in default_registry().probe_all() if probe.available]
+
+
+@pytest.fixture(params=available_drivers(), ids=lambda name: f"driver={name}")
+def driver_name(request) -> str:
+    """Every driver that can run here: the cross-driver suite runs once per driver."""
+    return request.param

@@ -1,0 +1,41 @@
+"""Helpers the test modules share: the HF reference with a cache, and run_* cases."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from runtime_glue.config import OuroConfig
+from runtime_glue.llm import LLM
+from runtime_glue.sampling import SamplingParams
+from tests.reference.ouro_hf import OuroReference
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@functools.lru_cache(maxsize=4)
+def reference(model_dir) -> OuroReference:
+    return OuroReference(OuroConfig.from_dir(model_dir)).load(model_dir)
+
+
+@functools.lru_cache(maxsize=64)
+def reference_run(model_dir, prompt: tuple[int, ...], max_new: int):
+    return reference(model_dir).generate(list(prompt), max_new)
+
+
+def prompt_of(length: int, seed: int = 0, vocab: int = 1024) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=gen).tolist()
+
+
+def run_parity_case(llm: LLM, model_dir, prompts: list[list[int]], max_new: int) -> None:
+    """Each prompt, run alone, gives the reference's greedy tokens and bitwise-equal
+    final-loop logits at every step."""
+    for prompt in prompts:
+        [out] = llm.generate([prompt], SamplingParams(max_tokens=max_new, **GREEDY),
+                             return_logits=True)
+        ref_tokens, ref_logits = reference_run(model_dir, tuple(prompt), max_new)
+        assert list(out.token_ids) == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
+        assert torch.equal(out.logits, ref_logits), (
+            f"logits differ by {(out.logits - ref_logits).abs().max().item()}")
