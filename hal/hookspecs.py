@@ -35,3 +35,4 @@ def rlt_hal_register_drivers() -> list[DriverSpec]:
 
     :return: a list of :class:`hal.types.DriverSpec`, possibly empty.
     """
+    raise NotImplementedError

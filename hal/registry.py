@@ -97,11 +97,13 @@ class Registry:
         probe = safe_probe(spec)
         if not probe.available:
             via = "--device" if source == "argument" else source
-            raise RuntimeError(f"device {name!r} (chosen by {via}) is not available: {probe.reason}")
+            raise RuntimeError(
+                f"device {name!r} (chosen by {via}) is not available: {probe.reason}"
+            )
         return Selection(spec, index, source)
 
     def _select_auto(self) -> Selection:
-        skipped = []
+        skipped: list[tuple[str, str]] = []
         for name in AUTO_ORDER:
             if name not in self._specs:
                 continue

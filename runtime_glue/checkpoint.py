@@ -42,24 +42,32 @@ def expected_tensors(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q_out, h),
-            p + "self_attn.k_proj.weight": (kv_out, h),
-            p + "self_attn.v_proj.weight": (kv_out, h),
-            p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        })
-        for norm in ("input_layernorm", "input_layernorm_2",
-                     "post_attention_layernorm", "post_attention_layernorm_2"):
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q_out, h),
+                p + "self_attn.k_proj.weight": (kv_out, h),
+                p + "self_attn.v_proj.weight": (kv_out, h),
+                p + "self_attn.o_proj.weight": (h, q_out),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
+        for norm in (
+            "input_layernorm",
+            "input_layernorm_2",
+            "post_attention_layernorm",
+            "post_attention_layernorm_2",
+        ):
             shapes[p + norm + ".weight"] = (h,)
-    shapes.update({
-        "model.norm.weight": (h,),
-        "model.early_exit_gate.weight": (1, h),
-        "model.early_exit_gate.bias": (1,),
-        "lm_head.weight": (cfg.vocab_size, h),
-    })
+    shapes.update(
+        {
+            "model.norm.weight": (h,),
+            "model.early_exit_gate.weight": (1, h),
+            "model.early_exit_gate.bias": (1,),
+            "lm_head.weight": (cfg.vocab_size, h),
+        }
+    )
     return shapes
 
 
@@ -72,8 +80,10 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (header_len,) = struct.unpack("<Q", raw_len)
         if header_len > min(_MAX_HEADER, size - 8):
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors header "
-                                  f"(header says {header_len} bytes, file has {size})")
+            raise CheckpointError(
+                f"{path}: truncated or corrupt safetensors header "
+                f"(header says {header_len} bytes, file has {size})"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -89,11 +99,15 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         for s in shape:
             numel *= s
         if end > data_size:
-            raise CheckpointError(f"{path}: tensor {name!r} is truncated (needs bytes up to "
-                                  f"{end}, the file's data section has {data_size})")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is truncated (needs bytes up to "
+                f"{end}, the file's data section has {data_size})"
+            )
         if end - start != numel * _DTYPE_SIZES.get(info["dtype"], 0):
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - start} bytes, which does "
-                                  f"not match dtype {info['dtype']} and shape {list(shape)}")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has {end - start} bytes, which does "
+                f"not match dtype {info['dtype']} and shape {list(shape)}"
+            )
         entries[name] = TensorEntry(name, path, info["dtype"], shape)
     return entries
 
@@ -116,14 +130,17 @@ def index_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{index_path}: lists shard {path.name!r}, which is missing")
         for name, entry in read_header(path).items():
             if name in entries:
-                raise CheckpointError(f"{path}: tensor {name!r} also appears in "
-                                      f"{entries[name].file.name}")
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} also appears in {entries[name].file.name}"
+                )
             entries[name] = entry
     if weight_map is not None:
         for name, shard in weight_map.items():
             if name not in entries or entries[name].file.name != Path(shard).name:
-                raise CheckpointError(f"{index_path}: says tensor {name!r} is in {shard!r}, "
-                                      "but that shard does not hold it")
+                raise CheckpointError(
+                    f"{index_path}: says tensor {name!r} is in {shard!r}, "
+                    "but that shard does not hold it"
+                )
     return entries
 
 
@@ -132,21 +149,29 @@ def validate(entries: dict[str, TensorEntry], cfg: OuroConfig, model_dir: str | 
     want_dtype = {v: k for k, v in _DTYPE_NAMES.items()}[cfg.torch_dtype]
     missing = [n for n in expected if n not in entries]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
         raise CheckpointError(f"{model_dir}: missing tensor(s) {shown}")
     unexpected = sorted(set(entries) - set(expected))
     if unexpected:
         e = entries[unexpected[0]]
-        raise CheckpointError(f"{e.file}: unexpected tensor {e.name!r} (and {len(unexpected) - 1}"
-                              " more); it is not part of an Ouro model with this config.json")
+        raise CheckpointError(
+            f"{e.file}: unexpected tensor {e.name!r} (and {len(unexpected) - 1}"
+            " more); it is not part of an Ouro model with this config.json"
+        )
     for name, shape in expected.items():
         e = entries[name]
         if e.shape != shape:
-            raise CheckpointError(f"{e.file}: tensor {name!r} has shape {list(e.shape)}, "
-                                  f"config.json implies {list(shape)}")
+            raise CheckpointError(
+                f"{e.file}: tensor {name!r} has shape {list(e.shape)}, "
+                f"config.json implies {list(shape)}"
+            )
         if e.dtype != want_dtype:
-            raise CheckpointError(f"{e.file}: tensor {name!r} has dtype {e.dtype}, expected "
-                                  f"{want_dtype} ({cfg.torch_dtype})")
+            raise CheckpointError(
+                f"{e.file}: tensor {name!r} has dtype {e.dtype}, expected "
+                f"{want_dtype} ({cfg.torch_dtype})"
+            )
 
 
 def load_weights(

@@ -15,8 +15,9 @@ RANDOM_BANNER = (
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Ouro checkpoint directory (default: embedded random toy)")
-    p.add_argument("--device", help="cpu, cuda[:N], npu[:N] or auto (default: $VLLM_RLT_DEVICE "
-                   "or auto)")
+    p.add_argument(
+        "--device", help="cpu, cuda[:N], npu[:N] or auto (default: $VLLM_RLT_DEVICE or auto)"
+    )
     p.add_argument("--attention-backend", help="e.g. cpu_eager, cuda_sdpa, ascend_eager")
     p.add_argument("--block-size", type=int, default=128)
     pool = p.add_mutually_exclusive_group()
@@ -33,20 +34,31 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
     if args.model is None:
         print(RANDOM_BANNER, file=sys.stderr)
     return LLM(
-        model=args.model, device=args.device, attention_backend=args.attention_backend,
-        block_size=args.block_size, num_blocks=args.num_blocks,
-        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        model=args.model,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size, progress=progress,
+        prefill_chunk_size=args.prefill_chunk_size,
+        progress=progress,
     )
 
 
 def cmd_drivers(args: argparse.Namespace) -> int:
     from hal.registry import default_registry
 
-    rows = [{"name": spec.name, "available": probe.available, "reason": probe.reason,
-             "description": spec.description}
-            for spec, probe in default_registry().probe_all()]
+    rows = [
+        {
+            "name": spec.name,
+            "available": probe.available,
+            "reason": probe.reason,
+            "description": spec.description,
+        }
+        for spec, probe in default_registry().probe_all()
+    ]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -70,8 +82,9 @@ def _prompt_ids(args: argparse.Namespace) -> list[int] | str:
         try:
             return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
-            raise ValueError(f"--prompt-ids must be comma-separated integers, "
-                             f"got {args.prompt_ids!r}") from None
+            raise ValueError(
+                f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
+            ) from None
     return args.prompt
 
 
@@ -79,20 +92,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from runtime_glue.sampling import SamplingParams
 
     prompt = _prompt_ids(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     llm = build_llm(args, progress=not args.json)
     start = time.perf_counter()
     out = llm.generate([prompt], params)[0]
     elapsed = time.perf_counter() - start
     if args.json:
-        print(json.dumps({
-            "device": llm.driver.name, "attention_backend": llm.model.backend.name,
-            "prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.token_ids),
-            "text": out.text, "finish_reason": out.finish_reason,
-            "elapsed_s": round(elapsed, 4),
-            "tokens_per_s": round(len(out.token_ids) / elapsed, 3) if elapsed else None,
-        }))
+        print(
+            json.dumps(
+                {
+                    "device": llm.driver.name,
+                    "attention_backend": llm.model.backend.name,
+                    "prompt_token_ids": list(out.prompt_token_ids),
+                    "token_ids": list(out.token_ids),
+                    "text": out.text,
+                    "finish_reason": out.finish_reason,
+                    "elapsed_s": round(elapsed, 4),
+                    "tokens_per_s": round(len(out.token_ids) / elapsed, 3) if elapsed else None,
+                }
+            )
+        )
     else:
         print(out.text)
     return 0

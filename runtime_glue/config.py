@@ -78,8 +78,16 @@ class OuroConfig:
         return cls.from_dict(raw, str(path))
 
     def validate(self, source: str = "config.json") -> None:
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "total_ut_steps")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "total_ut_steps",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{source}: {name} must be >= 1, got {getattr(self, name)}")

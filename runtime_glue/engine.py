@@ -110,8 +110,10 @@ class Engine:
                 f"tokens of KV cache, but the whole pool holds {self.pool_tokens} tokens "
                 f"({self.allocator.num_blocks} blocks of {self.allocator.block_size})"
             )
-        if self.config.prefill_chunk_size is None and \
-                num_prompt_tokens > self.config.max_num_batched_tokens:
+        if (
+            self.config.prefill_chunk_size is None
+            and num_prompt_tokens > self.config.max_num_batched_tokens
+        ):
             raise ValueError(
                 f"prompt of {num_prompt_tokens} tokens exceeds max_num_batched_tokens "
                 f"({self.config.max_num_batched_tokens}) with full prefill; raise "
@@ -133,11 +135,18 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the "
-                             f"vocabulary [0, {vocab})")
+            raise ValueError(
+                f"request {request_id!r}: token ids {bad[:5]} are outside the "
+                f"vocabulary [0, {vocab})"
+            )
         self.check_fits(len(prompt_token_ids), params.max_tokens)
-        req = Request(request_id, [int(t) for t in prompt_token_ids], params, return_logits,
-                      arrival_time=time.monotonic())
+        req = Request(
+            request_id,
+            [int(t) for t in prompt_token_ids],
+            params,
+            return_logits,
+            arrival_time=time.monotonic(),
+        )
         if not params.greedy:
             seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
             req.generator = torch.Generator().manual_seed(seed)
@@ -197,7 +206,8 @@ class Engine:
             if n > budget:
                 break
             blocks = self.allocator.allocate(
-                self.allocator.blocks_for(prompt_len + req.params.max_tokens))
+                self.allocator.blocks_for(prompt_len + req.params.max_tokens)
+            )
             if blocks is None:
                 break  # FCFS: later requests wait behind this one
             self.waiting.popleft()
@@ -235,9 +245,14 @@ class Engine:
         dev = self.device.torch_device
         nonblock = self.device.pin_memory
         meta = AttentionMetadata(tuple(seqs), torch.cat(slot_parts), total)
-        return (buf, ids[:total].to(dev, non_blocking=nonblock),
-                pos[:total].to(dev, non_blocking=nonblock),
-                rows[: len(sampled)].to(dev, non_blocking=nonblock), meta, sampled)
+        return (
+            buf,
+            ids[:total].to(dev, non_blocking=nonblock),
+            pos[:total].to(dev, non_blocking=nonblock),
+            rows[: len(sampled)].to(dev, non_blocking=nonblock),
+            meta,
+            sampled,
+        )
 
     # -- the step --------------------------------------------------------------------------
 
@@ -293,5 +308,13 @@ class Engine:
             self.stats["finished"] += 1
 
     def _output(self, req: Request, new: tuple[int, ...]) -> RequestOutput:
-        return RequestOutput(req.request_id, new, tuple(req.output_ids), req.text,
-                             req.finished, req.finish_reason, req.error, len(req.prompt_ids))
+        return RequestOutput(
+            req.request_id,
+            new,
+            tuple(req.output_ids),
+            req.text,
+            req.finished,
+            req.finish_reason,
+            req.error,
+            len(req.prompt_ids),
+        )

@@ -46,8 +46,12 @@ def default_model_dir() -> Path:
     return path
 
 
-def pool_blocks(layout_bytes_per_token: int, block_size: int, num_blocks: int | None,
-                kv_cache_memory: int | None) -> int:
+def pool_blocks(
+    layout_bytes_per_token: int,
+    block_size: int,
+    num_blocks: int | None,
+    kv_cache_memory: int | None,
+) -> int:
     if num_blocks is not None and kv_cache_memory is not None:
         raise ValueError("give either num_blocks or kv_cache_memory, not both")
     if num_blocks is not None:
@@ -57,8 +61,10 @@ def pool_blocks(layout_bytes_per_token: int, block_size: int, num_blocks: int | 
     memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
     blocks = memory // (layout_bytes_per_token * block_size)
     if blocks < 1:
-        raise ValueError(f"kv_cache_memory {memory} bytes holds no block of {block_size} tokens "
-                         f"({layout_bytes_per_token} bytes per token)")
+        raise ValueError(
+            f"kv_cache_memory {memory} bytes holds no block of {block_size} tokens "
+            f"({layout_bytes_per_token} bytes per token)"
+        )
     return int(blocks)
 
 
@@ -88,8 +94,9 @@ class LLM:
         self.driver = (registry or default_registry()).create(device, **(driver_options or {}))
         self.driver.device.initialize()
         backend = self.driver.backend(attention_backend)
-        weights = load_weights(self.model_dir, self.config, self.driver.device.torch_device,
-                               progress=progress)
+        weights = load_weights(
+            self.model_dir, self.config, self.driver.device.torch_device, progress=progress
+        )
         cfg = self.config
         probe = KVLayout(cfg.num_planes, 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         blocks = pool_blocks(probe.bytes_per_token, block_size, num_blocks, kv_cache_memory)
@@ -140,6 +147,13 @@ class LLM:
             if req.finish_reason == "error":
                 raise RuntimeError(f"request {rid} failed: {req.error}")
             logits = torch.stack(req.logits) if return_logits else None
-            outputs.append(CompletionOutput(tuple(ids_by_request[rid]), tuple(req.output_ids),
-                                            req.text, req.finish_reason, logits))
+            outputs.append(
+                CompletionOutput(
+                    tuple(ids_by_request[rid]),
+                    tuple(req.output_ids),
+                    req.text,
+                    req.finish_reason,
+                    logits,
+                )
+            )
         return outputs

@@ -90,10 +90,13 @@ class OuroModel:
         self.norm = weights["model.norm.weight"]
         self.lm_head = weights["lm_head.weight"]
         # Loaded and validated, unused in fixed-loop mode (adaptive exit is out of scope).
-        self.early_exit_gate = (weights["model.early_exit_gate.weight"],
-                                weights["model.early_exit_gate.bias"])
-        self.layers = [LayerWeights.from_checkpoint(weights, i)
-                       for i in range(cfg.num_hidden_layers)]
+        self.early_exit_gate = (
+            weights["model.early_exit_gate.weight"],
+            weights["model.early_exit_gate.bias"],
+        )
+        self.layers = [
+            LayerWeights.from_checkpoint(weights, i) for i in range(cfg.num_hidden_layers)
+        ]
         d = cfg.head_dim
         device = self.embed.device
         # fp32 on purpose: a bf16 inv_freq would silently change every logit.

@@ -18,7 +18,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     seed: int | None = None
-    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s or ()))
+    stop: tuple[str, ...] = attrs.field(
+        default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s or ())
+    )
     ignore_eos: bool = False
 
     def __attrs_post_init__(self) -> None:

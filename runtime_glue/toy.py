@@ -26,13 +26,33 @@ CHATML_TEMPLATE = (
 TOKENIZER_VOCAB = 1024
 
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "small": dict(vocab_size=TOKENIZER_VOCAB, hidden_size=256, intermediate_size=688,
-                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32),
-    "ouro-1.4b-shape": dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632,
-                            num_hidden_layers=24, num_attention_heads=16,
-                            num_key_value_heads=16, head_dim=128),
+    "tiny": dict(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+    "small": dict(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+    ),
+    "ouro-1.4b-shape": dict(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+    ),
 }
 
 _CORPUS = """\
@@ -54,8 +74,13 @@ The Ascend NPU, the CUDA GPU and the CPU each run the same model through one dri
 def preset_config(preset: str, total_ut_steps: int = 4, **overrides) -> OuroConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    values = {**PRESETS[preset], "total_ut_steps": total_ut_steps,
-              "eos_token_ids": (0, 2), "bos_token_id": 1, **overrides}
+    values = {
+        **PRESETS[preset],
+        "total_ut_steps": total_ut_steps,
+        "eos_token_ids": (0, 2),
+        "bos_token_id": 1,
+        **overrides,
+    }
     return OuroConfig(**values)
 
 
@@ -107,9 +132,7 @@ def random_weights(cfg: OuroConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 _GAINS = {"q_proj": 2.0, "k_proj": 2.0, "lm_head": 4.0}
 
 
-def write_checkpoint(
-    out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards: int = 1
-) -> Path:
+def write_checkpoint(out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards: int = 1) -> Path:
     """Write config.json, safetensors (``shards`` > 1: with an index) and the tokenizer."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

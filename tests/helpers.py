@@ -33,9 +33,11 @@ def run_parity_case(llm: LLM, model_dir, prompts: list[list[int]], max_new: int)
     """Each prompt, run alone, gives the reference's greedy tokens and bitwise-equal
     final-loop logits at every step."""
     for prompt in prompts:
-        [out] = llm.generate([prompt], SamplingParams(max_tokens=max_new, **GREEDY),
-                             return_logits=True)
+        [out] = llm.generate(
+            [prompt], SamplingParams(max_tokens=max_new, **GREEDY), return_logits=True
+        )
         ref_tokens, ref_logits = reference_run(model_dir, tuple(prompt), max_new)
         assert list(out.token_ids) == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
         assert torch.equal(out.logits, ref_logits), (
-            f"logits differ by {(out.logits - ref_logits).abs().max().item()}")
+            f"logits differ by {(out.logits - ref_logits).abs().max().item()}"
+        )

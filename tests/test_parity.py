@@ -44,8 +44,7 @@ def test_a_sharded_checkpoint_gives_the_same_tokens_as_a_single_file(checkpoints
     from runtime_glue.toy import write_checkpoint
 
     single = checkpoints("tiny")
-    sharded = write_checkpoint(tmp_path / "sharded", OuroConfig.from_dir(single), seed=0,
-                               shards=3)
+    sharded = write_checkpoint(tmp_path / "sharded", OuroConfig.from_dir(single), seed=0, shards=3)
     assert (sharded / "model.safetensors.index.json").is_file()
     prompt = [prompt_of(9, seed=4)]
     a = LLM(single, device="cpu", block_size=16, num_blocks=4).generate(prompt)

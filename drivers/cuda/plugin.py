@@ -13,8 +13,11 @@ def _probe() -> ProbeResult:
             "install a CUDA build of torch from https://pytorch.org",
         )
     if not torch.cuda.is_available():
-        return ProbeResult(False, "torch has CUDA support but no CUDA device is visible "
-                           "(check the driver with nvidia-smi and CUDA_VISIBLE_DEVICES)")
+        return ProbeResult(
+            False,
+            "torch has CUDA support but no CUDA device is visible "
+            "(check the driver with nvidia-smi and CUDA_VISIBLE_DEVICES)",
+        )
     return ProbeResult(True)
 
 

@@ -29,13 +29,19 @@ class OuroReference(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
         hf = LlamaConfig(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
             num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-            rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            attention_bias=False, mlp_bias=False, hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            hidden_act="silu",
         )
         hf._attn_implementation = "eager"
         L, H, eps = cfg.num_hidden_layers, cfg.hidden_size, cfg.rms_norm_eps
@@ -43,10 +49,19 @@ class OuroReference(torch.nn.Module):
         self.attn = torch.nn.ModuleList(LlamaAttention(hf, i) for i in range(L))
         self.mlp = torch.nn.ModuleList(LlamaMLP(hf) for _ in range(L))
         self.norms = torch.nn.ModuleList(
-            torch.nn.ModuleDict({n: LlamaRMSNorm(H, eps) for n in (
-                "input_layernorm", "input_layernorm_2",
-                "post_attention_layernorm", "post_attention_layernorm_2")})
-            for _ in range(L))
+            torch.nn.ModuleDict(
+                {
+                    n: LlamaRMSNorm(H, eps)
+                    for n in (
+                        "input_layernorm",
+                        "input_layernorm_2",
+                        "post_attention_layernorm",
+                        "post_attention_layernorm_2",
+                    )
+                }
+            )
+            for _ in range(L)
+        )
         self.norm = LlamaRMSNorm(H, eps)
         self.lm_head = torch.nn.Linear(H, cfg.vocab_size, bias=False)
         self.to(torch.bfloat16)
@@ -57,9 +72,11 @@ class OuroReference(torch.nn.Module):
         state = {}
         for path in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(str(path)))
-        mine = {"embed_tokens.weight": state["model.embed_tokens.weight"],
-                "norm.weight": state["model.norm.weight"],
-                "lm_head.weight": state["lm_head.weight"]}
+        mine = {
+            "embed_tokens.weight": state["model.embed_tokens.weight"],
+            "norm.weight": state["model.norm.weight"],
+            "lm_head.weight": state["lm_head.weight"],
+        }
         for i in range(self.cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -80,13 +97,18 @@ class OuroReference(torch.nn.Module):
         kv_len = start + s
         allowed = torch.arange(kv_len)[None, :] <= (torch.arange(s)[:, None] + start)
         mask = torch.zeros(s, kv_len, dtype=h.dtype).masked_fill(
-            ~allowed, torch.finfo(h.dtype).min)[None, None]
+            ~allowed, torch.finfo(h.dtype).min
+        )[None, None]
         for t in range(cfg.total_ut_steps):
             for i in range(cfg.num_hidden_layers):
                 n = self.norms[i]
                 self.attn[i].layer_idx = t * cfg.num_hidden_layers + i
-                a, _ = self.attn[i](n["input_layernorm"](h), position_embeddings=cos_sin,
-                                    attention_mask=mask, cache=cache)
+                a, _ = self.attn[i](
+                    n["input_layernorm"](h),
+                    position_embeddings=cos_sin,
+                    attention_mask=mask,
+                    cache=cache,
+                )
                 h = h + n["input_layernorm_2"](a)
                 m = self.mlp[i](n["post_attention_layernorm"](h))
                 h = h + n["post_attention_layernorm_2"](m)

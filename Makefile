@@ -1,0 +1,32 @@
+# One command to set up and test, one to run. Both create .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+# The CPU build of torch for development and CI. The package itself only asks for a range:
+# Ascend users install the torch that matches their torch_npu.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup test lint run serve clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pre-commit run --all-files --show-diff-on-failure
+
+test: lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The main job: generate from the embedded default (a small random Ouro checkpoint).
+run: $(STAMP)
+	$(BIN)/rlt-hal run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

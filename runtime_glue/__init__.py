@@ -1,0 +1,6 @@
+"""Everything between a user and the HAL: loading, the Ouro executor, engine, server, CLI."""
+
+from runtime_glue.llm import LLM, CompletionOutput
+from runtime_glue.sampling import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "SamplingParams"]

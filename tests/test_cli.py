@@ -1,0 +1,71 @@
+"""The rlt-hal command line, run as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from runtime_glue.llm import LLM
+from runtime_glue.sampling import SamplingParams
+
+
+def rlt_hal(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "runtime_glue.cli", *args], capture_output=True, text=True, env=env
+    )
+
+
+def test_toy_checkpoint_writes_the_hf_layout_with_a_chatml_tokenizer(tmp_path):
+    proc = rlt_hal("toy-checkpoint", str(tmp_path / "m"), "--preset", "tiny", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    names = {p.name for p in (tmp_path / "m").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["model_type"] == "ouro" and cfg["total_ut_steps"] == 4
+    llm = LLM(tmp_path / "m", block_size=16, num_blocks=4)
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_generate_json_reports_the_same_tokens_as_the_python_api(tiny_ckpt):
+    proc = rlt_hal(
+        "generate",
+        "--model",
+        str(tiny_ckpt),
+        "--prompt-ids",
+        "5,6,7,8",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--block-size",
+        "16",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    want = LLM(tiny_ckpt, block_size=16, num_blocks=4).generate(
+        [[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True)
+    )[0]
+    assert result["token_ids"] == list(want.token_ids)
+    assert result["device"] == "cpu" and result["attention_backend"] == "cpu_eager"
+    assert result["finish_reason"] == "length" and result["elapsed_s"] > 0
+
+
+def test_run_uses_the_embedded_random_checkpoint_and_says_so(tmp_path):
+    import os
+
+    env = {**os.environ, "RLT_HAL_CACHE": str(tmp_path)}
+    proc = rlt_hal("run", "--max-tokens", "4", "--num-blocks", "8", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "RANDOM weights" in proc.stderr
+    assert (tmp_path / "toy-small-seed0" / "model.safetensors").is_file()
+
+
+def test_bad_prompt_ids_are_a_clear_cli_error(tiny_ckpt):
+    proc = rlt_hal("generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,x")
+    assert proc.returncode == 2
+    assert "--prompt-ids must be comma-separated integers" in proc.stderr
