@@ -46,16 +46,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits / params.temperature
-    if params.top_k > 0 and params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+    # A stable descending sort breaks ties by token id, as argmax does: top_k=1 is greedy.
+    scores, order = torch.sort(logits / params.temperature, descending=True, stable=True)
+    if 0 < params.top_k < scores.numel():
+        scores, order = scores[: params.top_k], order[: params.top_k]
     probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
         # Drop a token when the tokens before it already reach top_p; the first always stays.
-        drop = cumulative - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        probs = probs.masked_fill(torch.cumsum(probs, -1) - probs >= params.top_p, 0.0)
+    return int(order[torch.multinomial(probs, 1, generator=generator)])

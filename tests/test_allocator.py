@@ -1,0 +1,70 @@
+"""Property test of the block allocator and slot mapping under random request lifecycles."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hal.interfaces import Fence
+from runtime_glue.kv_manager import BlockAllocator, slot_of
+
+
+class _Fence(Fence):
+    def __init__(self):
+        self.complete = False
+
+    def done(self):
+        return self.complete
+
+    def wait(self):
+        self.complete = True
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["add", "finish", "abort", "tick"]), st.integers(1, 80)), max_size=60
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=ops, num_blocks=st.integers(1, 12), block_size=st.sampled_from([16, 32]))
+def test_random_lifecycles_never_double_allocate_or_leak_a_page(ops, num_blocks, block_size):
+    alloc = BlockAllocator(num_blocks, block_size)
+    live: dict[int, list[int]] = {}
+    fences: list[_Fence] = []
+    for i, (op, n) in enumerate(ops):
+        if op == "add":
+            want = alloc.blocks_for(n)
+            if want > num_blocks:
+                with pytest.raises(ValueError, match=f"needs {want} blocks, but the pool has"):
+                    alloc.allocate(want)
+                continue
+            blocks = alloc.allocate(want)
+            if blocks is not None:
+                live[i] = blocks
+                slots = [slot_of(blocks, p, block_size) for p in range(n)]
+                assert len(set(slots)) == n and all(0 <= s < num_blocks * block_size for s in slots)
+        elif op in ("finish", "abort") and live:
+            blocks = live.pop(sorted(live)[n % len(live)])
+            fence = _Fence()
+            fences.append(fence)
+            alloc.free_after(blocks, fence)
+        elif op == "tick" and fences:
+            fences[n % len(fences)].wait()
+            alloc.reclaim()
+        owned = [b for blocks in live.values() for b in blocks]
+        assert len(owned) == len(set(owned)), "a page is owned twice"
+        assert len(owned) + alloc.num_free + alloc.num_pending == num_blocks
+    for blocks in live.values():
+        alloc.free_after(blocks, None)
+    alloc.reclaim(wait=True)
+    assert alloc.num_free == num_blocks
+
+
+def test_freeing_a_page_twice_is_refused_before_anything_changes():
+    alloc = BlockAllocator(4, 16)
+    blocks = alloc.allocate(2)
+    alloc.free_after(blocks, None)
+    with pytest.raises(RuntimeError, match="freeing blocks that are not allocated"):
+        alloc.free_after(blocks, None)
+    assert alloc.num_free == 4
