@@ -136,6 +136,7 @@ class Driver:
         self.backends = dict(backends)
         self.default_backend = default_backend
         self.selection: object | None = None  # hal.registry.Selection, set by Registry.create
+        self.label = name  # what reports and logs call it ("npu (emulated ...)", "cuda:1")
 
     def backend(self, name: str | None = None) -> AttentionBackend:
         name = name or self.default_backend

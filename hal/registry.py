@@ -108,6 +108,9 @@ class Registry:
             if name not in self._specs:
                 continue
             probe = safe_probe(self._specs[name])
+            if probe.available and probe.emulated:
+                skipped.append((name, "emulated drivers are used only when chosen explicitly"))
+                continue
             if probe.available:
                 for other, why in skipped:
                     logger.info("auto device selection skipped %s: %s", other, why)

@@ -18,6 +18,8 @@ class ProbeResult:
 
     available: bool
     reason: str = ""
+    # An emulated driver (a test double for absent hardware) is never chosen by ``auto``.
+    emulated: bool = False
 
 
 @attrs.frozen

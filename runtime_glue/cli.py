@@ -63,7 +63,8 @@ def cmd_drivers(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        state = "available" if r["available"] else f"unavailable: {r['reason']}"
+        state = "available" if r["available"] else "unavailable"
+        state += f": {r['reason']}" if r["reason"] else ""
         print(f"{r['name']:<8} {state}")
     return 0
 
@@ -106,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "device": llm.driver.name,
+                    "device": llm.driver.label,
                     "attention_backend": llm.model.backend.name,
                     "prompt_token_ids": list(out.prompt_token_ids),
                     "token_ids": list(out.token_ids),

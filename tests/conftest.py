@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from runtime_glue.config import OuroConfig
@@ -11,6 +13,22 @@ from runtime_glue.toy import preset_config, write_checkpoint
 def pytest_addoption(parser):
     parser.addoption("--run-npu", action="store_true", help="run tests that need an Ascend NPU")
     parser.addoption("--run-cuda", action="store_true", help="run tests that need a CUDA GPU")
+
+
+def pytest_configure(config):
+    # Without real hardware the npu driver joins the cross-driver suite through its emulated
+    # torch_npu (a test double); with --run-npu it is the real driver.
+    if not config.getoption("--run-npu"):
+        os.environ.setdefault("RLT_HAL_NPU_EMULATE", "1")
+
+
+def pytest_generate_tests(metafunc):
+    """``driver_name``: every driver that can run here; the suite runs once per driver."""
+    if "driver_name" in metafunc.fixturenames:
+        emulated = os.environ.get("RLT_HAL_NPU_EMULATE") == "1"
+        names = available_drivers()
+        ids = [f"{n}-emulated" if n == "npu" and emulated else n for n in names]
+        metafunc.parametrize("driver_name", names, ids=ids)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -130,7 +148,3 @@ def available_drivers() -> list[str]:
     return [spec.name for spec, probe in default_registry().probe_all() if probe.available]
 
 
-@pytest.fixture(params=available_drivers(), ids=lambda name: f"driver={name}")
-def driver_name(request) -> str:
-    """Every driver that can run here: the cross-driver suite runs once per driver."""
-    return request.param

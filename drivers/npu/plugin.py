@@ -1,24 +1,30 @@
 """Entry point ``rlt_hal: npu``. The probe looks for torch_npu without importing it."""
 
 import importlib.util
+import os
 
 from hal import DriverSpec, ProbeResult, hookimpl
 
 
 def _probe() -> ProbeResult:
+    if os.environ.get("RLT_HAL_NPU_EMULATE", "").strip().lower() in ("1", "true", "yes"):
+        return ProbeResult(True, "emulated: RLT_HAL_NPU_EMULATE=1 runs torch_npu's operations "
+                           "on the CPU (a test double, not hardware)", emulated=True)
     if importlib.util.find_spec("torch_npu") is None:
         return ProbeResult(
             False,
             "torch_npu is not installed; install the torch_npu release that matches your torch "
-            "and CANN (see docs/ascend.md)",
+            "and CANN (see docs/ascend.md), or set RLT_HAL_NPU_EMULATE=1 for the CPU emulation",
         )
-    return ProbeResult(False, "the npu driver is not built yet in this version of rlt-hal")
+    return ProbeResult(True)
 
 
 def _create(**options):
-    raise RuntimeError("the npu driver is not built yet in this version of rlt-hal")
+    from drivers.npu.driver import create
+
+    return create(**options)
 
 
 @hookimpl
 def rlt_hal_register_drivers() -> list[DriverSpec]:
-    return [DriverSpec("npu", _probe, _create, "Ascend NPU (torch_npu + CANN)")]
+    return [DriverSpec("npu", _probe, _create, "Ascend NPU (torch_npu + CANN): ascend_eager")]

@@ -1,0 +1,178 @@
+"""Ascend NPU driver: lazy torch_npu, ``ascend_eager`` attention, ScatterND KV writes, fences.
+
+torch_npu is imported in ``NpuDevice.initialize()`` and nowhere else. With ``emulate=True``
+(or ``RLT_HAL_NPU_EMULATE=1``) the driver runs on the CPU through ``drivers.npu.emulation``,
+a test double for the hardware, and labels itself "emulated".
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+from hal.eager import EagerBackend, TensorKVStore
+from hal.interfaces import Device, Driver, Fence
+from hal.types import KVLayout
+
+EMULATE_ENV_VAR = "RLT_HAL_NPU_EMULATE"
+CANN_HINT = "source /usr/local/Ascend/ascend-toolkit/set_env.sh (or your CANN install's set_env.sh)"
+
+
+def emulation_requested() -> bool:
+    return os.environ.get(EMULATE_ENV_VAR, "").strip().lower() in ("1", "true", "yes")
+
+
+def import_torch_npu() -> types.SimpleNamespace:
+    """Import torch_npu and return the operations the driver uses, with actionable errors."""
+    try:
+        import torch_npu  # noqa: F401 - registers torch.npu
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch_npu":
+            raise
+        raise RuntimeError(
+            f"torch_npu is not installed; install the torch_npu release built for torch "
+            f"{torch.__version__.split('+')[0]} (pip install torch-npu=="
+            f"{torch.__version__.split('+')[0]}) together with a matching CANN"
+        ) from None
+    except (OSError, ImportError) as exc:
+        if any(lib in str(exc) for lib in ("libhccl", "libascendcl", "libascend", "libge_")):
+            raise RuntimeError(f"CANN is not set up ({exc}); {CANN_HINT}") from None
+        raise RuntimeError(f"importing torch_npu failed: {exc}") from exc
+    npu = torch.npu  # type: ignore[attr-defined]
+    return types.SimpleNamespace(
+        label="torch_npu", device_count=npu.device_count, set_device=npu.set_device,
+        current_stream=npu.current_stream, Event=npu.Event, synchronize=npu.synchronize,
+        npu_scatter_nd_update_=torch_npu.npu_scatter_nd_update_,
+    )
+
+
+class NpuFence(Fence):
+    def __init__(self, ops, stream) -> None:
+        self.event = ops.Event()
+        self.event.record(stream)
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class NpuDevice(Device):
+    device_type = "npu"
+    visible_devices_env_var = "ASCEND_RT_VISIBLE_DEVICES"
+
+    def __init__(self, index: int = 0, emulate: bool = False, event_delay: int = 0) -> None:
+        super().__init__(index)
+        self.emulated = emulate
+        self.event_delay = event_delay
+        self.ops = None
+        self.stream = None
+        self._init_pid: int | None = None
+
+    def initialize(self) -> None:
+        if self._initialized:
+            if self._init_pid != os.getpid():
+                raise RuntimeError(
+                    "the NPU was initialised in a parent process and cannot be re-initialised "
+                    "after fork; start workers with the 'spawn' start method")
+            return
+        if self.emulated:
+            from drivers.npu.emulation import EmulatedTorchNpu
+
+            self.ops = EmulatedTorchNpu(event_delay=self.event_delay)
+        else:
+            self.ops = import_torch_npu()
+        count = self.ops.device_count()
+        visible = os.environ.get(self.visible_devices_env_var)
+        if count == 0:
+            raise RuntimeError(f"no Ascend device is visible (ASCEND_RT_VISIBLE_DEVICES="
+                               f"{visible!r}); check npu-smi info and that variable")
+        if self.index >= count:
+            raise RuntimeError(f"npu:{self.index} requested but {count} device(s) are visible "
+                               f"(ASCEND_RT_VISIBLE_DEVICES={visible!r})")
+        try:
+            self.ops.set_device(self.index)
+        except RuntimeError as exc:
+            if "fork" in str(exc).lower():
+                raise RuntimeError("NPU cannot be initialised in a forked process; use the "
+                                   f"'spawn' start method ({exc})") from None
+            raise
+        self.stream = self.ops.current_stream()  # cached: each call builds a new object
+        self._init_pid = os.getpid()
+        self._initialized = True
+
+    @property
+    def label(self) -> str:
+        return "npu (emulated torch_npu on CPU)" if self.emulated else f"npu:{self.index}"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.emulated else torch.device("npu", self.index)
+
+    def synchronize(self) -> None:
+        self.ops.synchronize()
+
+    def record_fence(self) -> Fence:
+        return NpuFence(self.ops, self.stream)
+
+    def memory_stats(self) -> dict[str, int]:
+        if self.emulated:
+            return {"emulated": 1}
+        npu = torch.npu  # type: ignore[attr-defined]
+        return {"allocated_bytes": npu.memory_allocated(self.index),
+                "peak_allocated_bytes": npu.max_memory_allocated(self.index)}
+
+    @property
+    def pin_memory(self) -> bool:
+        return not self.emulated
+
+
+class AscendEagerBackend(EagerBackend):
+    """HF eager order over pages gathered through the block table (shared with cpu_eager)."""
+
+    name = "ascend_eager"
+
+
+class ScatterNDKVStore(TensorKVStore):
+    """K/V rows written with ``npu_scatter_nd_update_``; indices built once per step."""
+
+    def __init__(self, layout: KVLayout, device: NpuDevice) -> None:
+        super().__init__(layout, device.torch_device)
+        self.npu = device
+        self._indices_for: torch.Tensor | None = None
+        self._indices: torch.Tensor | None = None
+
+    def indices(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[N, 1]`` int64 ScatterND indices for a step's slot mapping, validated once."""
+        if slots is not self._indices_for:
+            n = self.layout.num_slots
+            if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n):
+                raise IndexError(f"slot mapping has a slot outside [0, {n}): "
+                                 f"min {int(slots.min())}, max {int(slots.max())}")
+            if torch.unique(slots).numel() != slots.numel():
+                raise IndexError("slot mapping writes one slot twice in a step")
+            self._indices = slots.to(torch.int64).reshape(-1, 1)
+            self._indices_for = slots
+        assert self._indices is not None
+        return self._indices
+
+    def _write_rows(self, cache, slots, rows):
+        self.npu.ops.npu_scatter_nd_update_(cache, self.indices(slots), rows.contiguous())
+
+
+class NpuDriver(Driver):
+    def create_kv_store(self, layout: KVLayout) -> ScatterNDKVStore:
+        self.device.initialize()
+        return ScatterNDKVStore(layout, self.device)
+
+
+def create(index: int | None = None, emulate: bool | None = None,
+           event_delay: int = 0) -> NpuDriver:
+    emulate = emulation_requested() if emulate is None else emulate
+    device = NpuDevice(index or 0, emulate=emulate, event_delay=event_delay)
+    driver = NpuDriver("npu", device, {"ascend_eager": AscendEagerBackend()}, "ascend_eager")
+    driver.label = device.label
+    return driver

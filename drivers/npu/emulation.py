@@ -1,0 +1,109 @@
+"""EMULATED torch_npu: a CPU test double for the few torch_npu operations the driver uses.
+
+Ascend hardware and CANN cannot exist where rlt-hal is built and tested, so this module
+stands in for them with the same entry points, the same argument checks and the same
+semantics, on CPU tensors. Everything it produces is labelled "emulated"; no result obtained
+through it is a hardware result.
+
+Events can be made to complete late (``event_delay`` polls) so that a missing fence shows up as
+a test failure instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCATTER_ND_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64,
+                     torch.int8)
+
+
+class EmulatedEvent:
+    """``torch.npu.Event`` stand-in: ``query()`` turns true only after ``delay`` polls, or
+    immediately after ``synchronize()``."""
+
+    def __init__(self, delay: int = 0) -> None:
+        self.delay = delay
+        self.recorded = False
+        self._polls = 0
+        self._complete = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+        self._complete = self.delay == 0
+
+    def query(self) -> bool:
+        if not self.recorded:
+            return True
+        if not self._complete:
+            self._polls += 1
+            self._complete = self._polls > self.delay
+        return self._complete
+
+    def synchronize(self) -> None:
+        self._complete = True
+
+
+class EmulatedStream:
+    pass
+
+
+class EmulatedTorchNpu:
+    """The operation set the NPU driver calls, emulated on the CPU."""
+
+    label = "emulated torch_npu (CPU)"
+
+    def __init__(self, event_delay: int = 0, device_count: int = 1) -> None:
+        self.event_delay = event_delay
+        self._device_count = device_count
+        self.current_device = 0
+        self.events: list[EmulatedEvent] = []
+        self.scatter_calls = 0
+
+    # torch.npu.* ------------------------------------------------------------------------
+    def device_count(self) -> int:
+        return self._device_count
+
+    def set_device(self, index: int) -> None:
+        if not 0 <= index < self._device_count:
+            raise RuntimeError(f"emulated npu: invalid device index {index}")
+        self.current_device = index
+
+    def current_stream(self) -> EmulatedStream:
+        return EmulatedStream()  # a new object per call, like torch.npu.current_stream()
+
+    def Event(self) -> EmulatedEvent:  # noqa: N802 - mirrors torch.npu.Event
+        event = EmulatedEvent(self.event_delay)
+        self.events.append(event)
+        return event
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.events.clear()
+
+    # torch_npu.npu_scatter_nd_update_ ----------------------------------------------------
+    def npu_scatter_nd_update_(self, target, indices, updates):
+        """``target[indices[i]] = updates[i]`` in place, with torch_npu's argument rules."""
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"npu_scatter_nd_update_: indices must be int32 or int64, "
+                            f"got {indices.dtype}")
+        if target.dtype not in SCATTER_ND_DTYPES or updates.dtype != target.dtype:
+            raise TypeError(f"npu_scatter_nd_update_: self is {target.dtype}, updates "
+                            f"{updates.dtype}; they must match and be a supported dtype")
+        if indices.dim() < 1 or indices.shape[-1] > target.dim():
+            raise ValueError(f"npu_scatter_nd_update_: indices.shape[-1] "
+                             f"({indices.shape[-1]}) must be <= self.ndim ({target.dim()})")
+        k = indices.shape[-1]
+        want = tuple(indices.shape[:-1]) + tuple(target.shape[k:])
+        if tuple(updates.shape) != want:
+            raise ValueError(f"npu_scatter_nd_update_: updates.shape {list(updates.shape)} "
+                             f"must equal indices.shape[:-1] + self.shape[{k}:] = {list(want)}")
+        flat = indices.reshape(-1, k).long()
+        bounds = torch.tensor(target.shape[:k])
+        if ((flat < 0) | (flat >= bounds)).any():
+            raise IndexError("npu_scatter_nd_update_: index out of range (undefined on device)")
+        if torch.unique(flat, dim=0).shape[0] != flat.shape[0]:
+            raise IndexError("npu_scatter_nd_update_: duplicate indices (undefined on device)")
+        target.index_put_(tuple(flat.unbind(-1)), updates.reshape(-1, *target.shape[k:]))
+        self.scatter_calls += 1
+        return target
