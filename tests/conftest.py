@@ -146,5 +146,3 @@ def available_drivers() -> list[str]:
     from hal.registry import default_registry
 
     return [spec.name for spec, probe in default_registry().probe_all() if probe.available]
-
-

@@ -42,8 +42,12 @@ def import_torch_npu() -> types.SimpleNamespace:
         raise RuntimeError(f"importing torch_npu failed: {exc}") from exc
     npu = torch.npu  # type: ignore[attr-defined]
     return types.SimpleNamespace(
-        label="torch_npu", device_count=npu.device_count, set_device=npu.set_device,
-        current_stream=npu.current_stream, Event=npu.Event, synchronize=npu.synchronize,
+        label="torch_npu",
+        device_count=npu.device_count,
+        set_device=npu.set_device,
+        current_stream=npu.current_stream,
+        Event=npu.Event,
+        synchronize=npu.synchronize,
         npu_scatter_nd_update_=torch_npu.npu_scatter_nd_update_,
     )
 
@@ -77,7 +81,8 @@ class NpuDevice(Device):
             if self._init_pid != os.getpid():
                 raise RuntimeError(
                     "the NPU was initialised in a parent process and cannot be re-initialised "
-                    "after fork; start workers with the 'spawn' start method")
+                    "after fork; start workers with the 'spawn' start method"
+                )
             return
         if self.emulated:
             from drivers.npu.emulation import EmulatedTorchNpu
@@ -88,17 +93,23 @@ class NpuDevice(Device):
         count = self.ops.device_count()
         visible = os.environ.get(self.visible_devices_env_var)
         if count == 0:
-            raise RuntimeError(f"no Ascend device is visible (ASCEND_RT_VISIBLE_DEVICES="
-                               f"{visible!r}); check npu-smi info and that variable")
+            raise RuntimeError(
+                f"no Ascend device is visible (ASCEND_RT_VISIBLE_DEVICES="
+                f"{visible!r}); check npu-smi info and that variable"
+            )
         if self.index >= count:
-            raise RuntimeError(f"npu:{self.index} requested but {count} device(s) are visible "
-                               f"(ASCEND_RT_VISIBLE_DEVICES={visible!r})")
+            raise RuntimeError(
+                f"npu:{self.index} requested but {count} device(s) are visible "
+                f"(ASCEND_RT_VISIBLE_DEVICES={visible!r})"
+            )
         try:
             self.ops.set_device(self.index)
         except RuntimeError as exc:
             if "fork" in str(exc).lower():
-                raise RuntimeError("NPU cannot be initialised in a forked process; use the "
-                                   f"'spawn' start method ({exc})") from None
+                raise RuntimeError(
+                    "NPU cannot be initialised in a forked process; use the "
+                    f"'spawn' start method ({exc})"
+                ) from None
             raise
         self.stream = self.ops.current_stream()  # cached: each call builds a new object
         self._init_pid = os.getpid()
@@ -122,8 +133,10 @@ class NpuDevice(Device):
         if self.emulated:
             return {"emulated": 1}
         npu = torch.npu  # type: ignore[attr-defined]
-        return {"allocated_bytes": npu.memory_allocated(self.index),
-                "peak_allocated_bytes": npu.max_memory_allocated(self.index)}
+        return {
+            "allocated_bytes": npu.memory_allocated(self.index),
+            "peak_allocated_bytes": npu.max_memory_allocated(self.index),
+        }
 
     @property
     def pin_memory(self) -> bool:
@@ -150,8 +163,10 @@ class ScatterNDKVStore(TensorKVStore):
         if slots is not self._indices_for:
             n = self.layout.num_slots
             if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n):
-                raise IndexError(f"slot mapping has a slot outside [0, {n}): "
-                                 f"min {int(slots.min())}, max {int(slots.max())}")
+                raise IndexError(
+                    f"slot mapping has a slot outside [0, {n}): "
+                    f"min {int(slots.min())}, max {int(slots.max())}"
+                )
             if torch.unique(slots).numel() != slots.numel():
                 raise IndexError("slot mapping writes one slot twice in a step")
             self._indices = slots.to(torch.int64).reshape(-1, 1)
@@ -169,8 +184,9 @@ class NpuDriver(Driver):
         return ScatterNDKVStore(layout, self.device)
 
 
-def create(index: int | None = None, emulate: bool | None = None,
-           event_delay: int = 0) -> NpuDriver:
+def create(
+    index: int | None = None, emulate: bool | None = None, event_delay: int = 0
+) -> NpuDriver:
     emulate = emulation_requested() if emulate is None else emulate
     device = NpuDevice(index or 0, emulate=emulate, event_delay=event_delay)
     driver = NpuDriver("npu", device, {"ascend_eager": AscendEagerBackend()}, "ascend_eager")

@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import torch
 
-SCATTER_ND_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.int64,
-                     torch.int8)
+SCATTER_ND_DTYPES = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+)
 
 
 class EmulatedEvent:
@@ -85,19 +91,26 @@ class EmulatedTorchNpu:
     def npu_scatter_nd_update_(self, target, indices, updates):
         """``target[indices[i]] = updates[i]`` in place, with torch_npu's argument rules."""
         if indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"npu_scatter_nd_update_: indices must be int32 or int64, "
-                            f"got {indices.dtype}")
+            raise TypeError(
+                f"npu_scatter_nd_update_: indices must be int32 or int64, got {indices.dtype}"
+            )
         if target.dtype not in SCATTER_ND_DTYPES or updates.dtype != target.dtype:
-            raise TypeError(f"npu_scatter_nd_update_: self is {target.dtype}, updates "
-                            f"{updates.dtype}; they must match and be a supported dtype")
+            raise TypeError(
+                f"npu_scatter_nd_update_: self is {target.dtype}, updates "
+                f"{updates.dtype}; they must match and be a supported dtype"
+            )
         if indices.dim() < 1 or indices.shape[-1] > target.dim():
-            raise ValueError(f"npu_scatter_nd_update_: indices.shape[-1] "
-                             f"({indices.shape[-1]}) must be <= self.ndim ({target.dim()})")
+            raise ValueError(
+                f"npu_scatter_nd_update_: indices.shape[-1] "
+                f"({indices.shape[-1]}) must be <= self.ndim ({target.dim()})"
+            )
         k = indices.shape[-1]
         want = tuple(indices.shape[:-1]) + tuple(target.shape[k:])
         if tuple(updates.shape) != want:
-            raise ValueError(f"npu_scatter_nd_update_: updates.shape {list(updates.shape)} "
-                             f"must equal indices.shape[:-1] + self.shape[{k}:] = {list(want)}")
+            raise ValueError(
+                f"npu_scatter_nd_update_: updates.shape {list(updates.shape)} "
+                f"must equal indices.shape[:-1] + self.shape[{k}:] = {list(want)}"
+            )
         flat = indices.reshape(-1, k).long()
         bounds = torch.tensor(target.shape[:k])
         if ((flat < 0) | (flat >= bounds)).any():

@@ -8,8 +8,12 @@ from hal import DriverSpec, ProbeResult, hookimpl
 
 def _probe() -> ProbeResult:
     if os.environ.get("RLT_HAL_NPU_EMULATE", "").strip().lower() in ("1", "true", "yes"):
-        return ProbeResult(True, "emulated: RLT_HAL_NPU_EMULATE=1 runs torch_npu's operations "
-                           "on the CPU (a test double, not hardware)", emulated=True)
+        return ProbeResult(
+            True,
+            "emulated: RLT_HAL_NPU_EMULATE=1 runs torch_npu's operations "
+            "on the CPU (a test double, not hardware)",
+            emulated=True,
+        )
     if importlib.util.find_spec("torch_npu") is None:
         return ProbeResult(
             False,

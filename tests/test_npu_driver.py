@@ -1,0 +1,262 @@
+"""The NPU driver on the CPU: lazy import, actionable errors, ScatterND rules, fences.
+
+torch_npu cannot exist here. Where a test needs "an installed torch_npu that fails in a known
+way", it puts a stand-in package named torch_npu on sys.path (a test double, named as such).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from drivers.npu.driver import NpuDevice, create
+from drivers.npu.emulation import EmulatedTorchNpu
+from hal.types import KVLayout
+from runtime_glue.llm import LLM
+from runtime_glue.sampling import SamplingParams
+from tests.helpers import GREEDY, prompt_of
+
+
+def _stand_in_torch_npu(tmp_path, body: str):
+    pkg = tmp_path / "stand_in" / "torch_npu"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(body))
+    return pkg.parent
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    def install(body):
+        monkeypatch.syspath_prepend(str(_stand_in_torch_npu(tmp_path, body)))
+        monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+
+    yield install
+    sys.modules.pop("torch_npu", None)
+
+
+def test_probing_listing_and_selecting_cpu_never_import_torch_npu(tmp_path, tiny_ckpt):
+    marker = tmp_path / "imported"
+    path = _stand_in_torch_npu(tmp_path, f"open({str(marker)!r}, 'w').write('yes')\n")
+    env = {**os.environ, "PYTHONPATH": f"{path}{os.pathsep}{os.getcwd()}"}
+    env.pop("RLT_HAL_NPU_EMULATE", None)
+    script = textwrap.dedent(f"""
+        import sys, drivers.npu, drivers.npu.plugin, drivers.npu.driver
+        from hal.registry import Registry
+        reg = Registry()
+        probes = dict((s.name, p) for s, p in reg.probe_all())
+        assert probes["npu"].available, probes["npu"]  # found by find_spec, not imported
+        from runtime_glue.llm import LLM
+        LLM({str(tiny_ckpt)!r}, device="cpu", num_blocks=2).generate([[5, 6]])
+        assert "torch_npu" not in sys.modules
+    """)
+    for cmd in (
+        [sys.executable, "-c", script],
+        [sys.executable, "-m", "runtime_glue.cli", "drivers"],
+    ):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    assert not marker.exists(), "torch_npu was imported"
+
+
+def test_without_torch_npu_initialize_says_which_release_to_install(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    version = torch.__version__.split("+")[0]
+    with pytest.raises(
+        RuntimeError,
+        match=rf"torch_npu is not installed; install the torch_npu "
+        rf"release built for torch {version} \(pip install "
+        rf"torch-npu=={version}\)",
+    ):
+        NpuDevice(0).initialize()
+
+
+def test_an_unsourced_cann_is_reported_with_the_set_env_command(stand_in):
+    stand_in("raise OSError('libhccl.so: cannot open shared object file: No such file')")
+    with pytest.raises(
+        RuntimeError,
+        match=r"CANN is not set up \(libhccl.so: cannot open .*\); "
+        r"source /usr/local/Ascend/ascend-toolkit/set_env.sh",
+    ):
+        NpuDevice(0).initialize()
+
+
+def test_no_visible_device_names_ascend_rt_visible_devices(stand_in, monkeypatch):
+    stand_in("""
+        import types, torch
+        torch.npu = types.SimpleNamespace(device_count=lambda: 0, set_device=None,
+                                          current_stream=None, Event=None, synchronize=None)
+        npu_scatter_nd_update_ = None
+    """)
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch, "npu", None, raising=False)
+    with pytest.raises(
+        RuntimeError,
+        match=r"no Ascend device is visible "
+        r"\(ASCEND_RT_VISIBLE_DEVICES=''\)",
+    ):
+        NpuDevice(0).initialize()
+
+
+def test_an_index_beyond_the_visible_devices_is_refused():
+    with pytest.raises(RuntimeError, match=r"npu:3 requested but 1 device\(s\) are visible"):
+        NpuDevice(3, emulate=True).initialize()
+
+
+def test_reinitialising_after_fork_says_to_use_spawn(monkeypatch):
+    device = NpuDevice(0, emulate=True)
+    device.initialize()
+    monkeypatch.setattr(os, "getpid", lambda: -1)
+    with pytest.raises(RuntimeError, match="cannot be re-initialised after fork; .* 'spawn'"):
+        device.initialize()
+
+
+def test_the_current_stream_is_fetched_once_and_cached():
+    device = NpuDevice(0, emulate=True)
+    device.initialize()
+    stream = device.stream
+    assert device.ops.current_stream() is not stream  # a new object per call
+    device.record_fence()
+    assert device.stream is stream
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda t: (torch.tensor([[1]], dtype=torch.int16), t[:1]), TypeError, "int32 or int64"),
+        (lambda t: (torch.tensor([[1]]), t[:1].float()), TypeError, "they must match"),
+        (lambda t: (torch.tensor([[1, 0, 0, 0]]), t[:1]), ValueError, r"must be <= self.ndim"),
+        (
+            lambda t: (torch.tensor([[1]]), t[:2]),
+            ValueError,
+            r"updates.shape \[2, 2, 4\] must equal",
+        ),
+        (lambda t: (torch.tensor([[9]]), t[:1]), IndexError, "index out of range"),
+        (lambda t: (torch.tensor([[1], [1]]), t[:2]), IndexError, "duplicate indices"),
+    ],
+)
+def test_emulated_scatter_nd_enforces_torch_npus_argument_rules(make, error, message):
+    target = torch.zeros(8, 2, 4, dtype=torch.bfloat16)
+    indices, updates = make(torch.ones(8, 2, 4, dtype=torch.bfloat16))
+    with pytest.raises(error, match=message):
+        EmulatedTorchNpu().npu_scatter_nd_update_(target, indices, updates)
+    assert not target.any(), "a refused update must not have written anything"
+
+
+def _store():
+    driver = create(emulate=True)
+    return driver.create_kv_store(KVLayout(3, 4, 16, 2, 8)), driver
+
+
+def test_scatter_nd_writes_read_back_across_planes_and_pages():
+    kv, driver = _store()
+    slots = torch.tensor([15, 16, 17, 40, 63])  # crosses pages 0 -> 1 and lands in page 3
+    rows = torch.randn(5, 2, 8).bfloat16()
+    kv.write(1, rows, rows * 2, slots)
+    k, v = kv.gather(1, slots)
+    assert torch.equal(k[0].transpose(0, 1), rows) and torch.equal(v[0].transpose(0, 1), rows * 2)
+    assert not kv.key_cache[0].any() and not kv.key_cache[2].any()
+    assert driver.device.ops.scatter_calls == 2
+
+
+def test_scatter_indices_are_built_and_validated_once_per_step():
+    kv, _ = _store()
+    slots = torch.tensor([3, 4])
+    rows = torch.randn(2, 2, 8).bfloat16()
+    kv.write(0, rows, rows, slots)
+    first = kv.indices(slots)
+    kv.write(2, rows, rows, slots)
+    assert kv.indices(slots) is first and first.dtype == torch.int64 and first.shape == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "slots, message",
+    [
+        ([3, 64], r"slot mapping has a slot outside \[0, 64\): min 3, max 64"),
+        ([5, 5], "slot mapping writes one slot twice in a step"),
+    ],
+)
+def test_bad_slot_mappings_are_refused_before_the_op_runs(slots, message):
+    kv, driver = _store()
+    with pytest.raises(IndexError, match=message):
+        kv.write(
+            0, torch.ones(2, 2, 8).bfloat16(), torch.ones(2, 2, 8).bfloat16(), torch.tensor(slots)
+        )
+    assert driver.device.ops.scatter_calls == 0 and not kv.key_cache.any()
+
+
+def _late_llm(tiny_ckpt):
+    """Emulated events that never complete on their own: only a wait completes them."""
+    return LLM(
+        tiny_ckpt,
+        device="npu",
+        block_size=16,
+        num_blocks=8,
+        driver_options={"emulate": True, "event_delay": 10**9},
+    )
+
+
+def test_late_events_hold_freed_pages_until_the_device_has_finished(tiny_ckpt):
+    llm = _late_llm(tiny_ckpt)
+    params = SamplingParams(max_tokens=10, **GREEDY)  # 13 tokens: one page
+    want = LLM(tiny_ckpt, block_size=16, num_blocks=8).generate([[5, 6, 7]], params)
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == want[0].token_ids
+    assert llm.engine.num_free_blocks == 7, "pages came back before their step's event"
+    llm.driver.device.synchronize()
+    assert llm.engine.num_free_blocks == 8
+
+
+def test_late_events_make_metadata_buffers_wait_before_reuse(tiny_ckpt):
+    llm = _late_llm(tiny_ckpt)
+    out = llm.generate([prompt_of(4)], SamplingParams(max_tokens=5, **GREEDY))
+    assert len(out[0].token_ids) == 5
+    waits = sum(b.fence_waits for b in llm.engine.buffers)
+    assert waits == 3, "5 steps over 2 buffers: steps 3, 4 and 5 must wait for steps 1, 2, 3"
+
+
+def test_everything_the_emulated_driver_reports_says_emulated(tiny_ckpt):
+    env = {**os.environ, "RLT_HAL_NPU_EMULATE": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime_glue.cli",
+            "generate",
+            "--device",
+            "npu",
+            "--model",
+            str(tiny_ckpt),
+            "--prompt-ids",
+            "5,6",
+            "--max-tokens",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert '"device": "npu (emulated torch_npu on CPU)"' in proc.stdout
+    drivers = subprocess.run(
+        [sys.executable, "-m", "runtime_glue.cli", "drivers"],
+        capture_output=True,
+        text=True,
+        env=env,
+    ).stdout
+    assert "npu      available: emulated" in drivers
+
+
+def test_auto_never_picks_the_emulated_npu(monkeypatch):
+    from hal.registry import Registry
+
+    monkeypatch.setenv("RLT_HAL_NPU_EMULATE", "1")
+    sel = Registry().select(None, env={})
+    assert (
+        sel.spec.name == "cpu"
+        and ("npu", "emulated drivers are used only when chosen explicitly") in sel.skipped
+    )
