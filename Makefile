@@ -24,7 +24,11 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-# The main job: generate from the embedded default (a small random Ouro checkpoint).
+# The main job: the OpenAI-compatible server on the embedded default (a small random Ouro
+# checkpoint) at http://127.0.0.1:8000/v1. `make run` generates once without a server.
+serve: $(STAMP)
+	$(BIN)/rlt-hal serve
+
 run: $(STAMP)
 	$(BIN)/rlt-hal run
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -33,7 +34,7 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
 
     if args.model is None:
         print(RANDOM_BANNER, file=sys.stderr)
-    return LLM(
+    llm = LLM(
         model=args.model,
         device=args.device,
         attention_backend=args.attention_backend,
@@ -45,6 +46,8 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
         prefill_chunk_size=args.prefill_chunk_size,
         progress=progress,
     )
+    print(f"{llm.driver.label}: {llm.kv_summary}", file=sys.stderr)
+    return llm
 
 
 def cmd_drivers(args: argparse.Namespace) -> int:
@@ -131,6 +134,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     return cmd_generate(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from runtime_glue.server.app import Server, build_app
+
+    llm = build_llm(args)
+    name = args.served_model_name or (str(args.model) if args.model else "rlt-hal-toy-random")
+    server = Server(llm, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    print(
+        f"serving {name!r} on http://{args.host}:{args.port}/v1 ({llm.driver.label})",
+        file=sys.stderr,
+    )
+    config = uvicorn.Config(
+        build_app(server),
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal to the handler that was
+    # installed before it; a no-op one there turns a graceful shutdown into exit status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlt-hal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +185,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=16,
+        help="max_tokens when a request gives none (OpenAI's default is 16)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
+    )
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("run", help="generate from the embedded default checkpoint")
     _add_engine_args(p)
     p.add_argument("--prompt", default="The quick brown fox")

@@ -317,4 +317,6 @@ class Engine:
             req.finish_reason,
             req.error,
             len(req.prompt_ids),
+            req.arrival_time,
+            req.first_token_time,
         )

@@ -102,6 +102,7 @@ class LLM:
         blocks = pool_blocks(probe.bytes_per_token, block_size, num_blocks, kv_cache_memory)
         self.kv_layout = attrs.evolve(probe, num_blocks=blocks)
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
+        logger.info("%s", self.kv_summary)
         self.model = OuroModel(cfg, weights, backend, self.kv_store)
         self.engine = Engine(
             self.model,
@@ -112,6 +113,17 @@ class LLM:
             tokenizer=self.tokenizer,
         )
         self._next_id = 0
+
+    @property
+    def kv_summary(self) -> str:
+        """How many tokens the KV pool holds, and what one token costs."""
+        lay = self.kv_layout
+        total = lay.bytes_per_token * lay.num_slots
+        return (
+            f"KV pool: {lay.num_blocks} blocks x {lay.block_size} tokens = {lay.num_slots} "
+            f"tokens over {lay.num_planes} planes, {lay.bytes_per_token} bytes/token, "
+            f"{total / 2**20:.1f} MiB"
+        )
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

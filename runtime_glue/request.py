@@ -68,3 +68,5 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None

@@ -197,3 +197,29 @@ def test_step_metadata_buffers_are_reused_only_after_their_step_fence(tiny_ckpt)
         assert all(f.completed for f in fences[: max(0, step - 1)])
         assert not fences[-1].completed
     assert sum(b.fence_waits for b in eng.buffers) == 2
+
+
+def test_a_failed_step_fails_its_requests_frees_their_pages_and_the_engine_goes_on(tiny_ckpt):
+    llm = LLM(tiny_ckpt, block_size=16, num_blocks=8)
+    eng, model = llm.engine, llm.model
+    real_forward = model.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    model.forward = broken
+    eng.add_request("doomed", [5, 6, 7], PARAMS)
+    [out] = eng.step()
+    assert out.finished and out.finish_reason == "error" and "device lost" in out.error
+    assert eng.num_free_blocks == 8 and eng.stats["failed"] == 1
+    model.forward = real_forward
+    assert llm.generate([[5, 6, 7]], PARAMS)[0].finish_reason == "length"
+
+
+def test_the_kv_pool_reports_how_many_tokens_it_holds(tiny_ckpt, tiny_config):
+    llm = LLM(tiny_ckpt, block_size=16, kv_cache_memory=1 << 20)
+    per_token = 2 * tiny_config.num_planes * tiny_config.num_key_value_heads * 32 * 2
+    blocks = (1 << 20) // (per_token * 16)
+    assert llm.kv_layout.num_blocks == blocks
+    assert f"{blocks} blocks x 16 tokens = {blocks * 16} tokens" in llm.kv_summary
+    assert f"{per_token} bytes/token" in llm.kv_summary

@@ -1,0 +1,207 @@
+"""FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime_glue.request import RequestOutput
+from runtime_glue.server.engine_loop import EngineLoop
+from runtime_glue.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedValue,
+    error_body,
+)
+from runtime_glue.server.routes import chat_response, completion_response
+
+
+def _json_error(status, message, type_="invalid_request_error", param=None, code=None):
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+class Server:
+    """Holds the engine loop and turns OpenAI requests into engine requests."""
+
+    def __init__(
+        self, llm, served_model_name: str, api_key: str | None = None, default_max_tokens: int = 16
+    ) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.model_name = served_model_name
+        self.api_key = api_key
+        self.default_max_tokens = default_max_tokens
+        self.loop = EngineLoop(llm.engine)
+        self.created = int(time.time())
+
+    # -- request preparation (handler side: validation and tokenisation only) ------------
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.api_key}":
+            what = "missing" if not header else "invalid"
+            raise ApiError(
+                401,
+                f"{what} API key; send 'Authorization: Bearer <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+
+    def prepare(self, body, prompt_ids: list[int]):
+        if body.model != self.model_name:
+            raise ApiError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        try:
+            body.check_supported()
+            params = body.sampling_params(self.default_max_tokens)
+        except UnsupportedValue as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        vocab = self.llm.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        try:
+            self.llm.engine.check_fits(len(prompt_ids), params.max_tokens)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="max_tokens") from None
+        return params
+
+    def completion_ids(self, body: CompletionRequest) -> list[int]:
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- running a request -----------------------------------------------------------------
+
+    async def outputs(
+        self, rid: str, ids: list[int], params, request: Request
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request; aborts it if the client goes away."""
+        sink = self.loop.submit(rid, ids, params)
+        finished = False
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(sink.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if item is None:
+                    raise ApiError(503, "the server is shutting down", "server_error")
+                if isinstance(item, Exception):
+                    raise ApiError(400, str(item))
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.loop.abort(rid)
+
+
+def build_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        yield
+        server.loop.stop()
+
+    app = FastAPI(title="rlt-hal", version="0.1.0", lifespan=lifespan)
+    _install_error_handlers(app)
+    _install_routes(app, server)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request, exc: ApiError):
+        return _json_error(exc.status, str(exc), exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return _json_error(400, "the request body is not valid JSON")
+        if err.get("type") == "extra_forbidden":
+            return _json_error(
+                400, f"unknown field {'.'.join(loc)!r} is not supported", param=".".join(loc)
+            )
+        return _json_error(
+            400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param=".".join(loc) or None
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _json_error(exc.status_code, str(exc.detail), kind)
+
+
+def _install_routes(app: FastAPI, server: Server) -> None:
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return server.loop.metrics.render()
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "rlt-hal",
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_auth(request)
+        ids = server.completion_ids(body)
+        params = server.prepare(body, ids)
+        return await completion_response(
+            server, body, ids, params, request, f"cmpl-{uuid.uuid4().hex}"
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        server.check_auth(request)
+        ids = server.chat_ids(body)
+        params = server.prepare(body, ids)
+        return await chat_response(
+            server, body, ids, params, request, f"chatcmpl-{uuid.uuid4().hex}"
+        )

@@ -1,0 +1,127 @@
+"""One thread owns the engine; HTTP handlers talk to it through queues only.
+
+Handlers never touch device state: they submit (request id, prompt ids, params) and receive
+``RequestOutput`` objects on an asyncio queue; an abort is a message too. Errors from
+``add_request`` come back on the same queue as an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+
+from runtime_glue.engine import Engine
+from runtime_glue.request import RequestOutput
+from runtime_glue.sampling import SamplingParams
+from runtime_glue.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.metrics = Metrics(engine.allocator.num_blocks)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rlt-hal-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        """Queue a request; returns the asyncio queue its outputs arrive on."""
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("add", request_id, prompt_ids, params, loop, sink))
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # -- the loop thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._deliver(out)
+            self._snapshot()
+        for rid in list(self.engine.requests):  # shutting down: end what is left
+            self.engine.abort_request(rid)
+            self._finish_metrics("abort")
+            self._send(rid, None)
+        self._snapshot()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            _, rid, ids, params, loop, sink = cmd
+            self._sinks[rid] = (loop, sink)
+            try:
+                self.engine.add_request(rid, ids, params)
+            except ValueError as exc:
+                self._send(rid, exc)
+                return
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += len(ids)
+        elif cmd[0] == "abort":
+            rid = cmd[1]
+            if self.engine.abort_request(rid):
+                self._finish_metrics("abort")
+            self._sinks.pop(rid, None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self.metrics.lock:
+            self.metrics.generated_tokens += len(out.new_token_ids)
+        if out.finished:
+            self._finish_metrics(out.finish_reason or "stop", out)
+        self._send(out.request_id, out)
+
+    def _finish_metrics(self, status: str, out: RequestOutput | None = None) -> None:
+        with self.metrics.lock:
+            self.metrics.requests[status] += 1
+            if out is not None and out.first_token_time is not None:
+                self.metrics.ttft.observe(out.first_token_time - out.arrival_time)
+                if len(out.token_ids) > 1:
+                    decode = time.monotonic() - out.first_token_time
+                    self.metrics.tpot.observe(decode / (len(out.token_ids) - 1))
+
+    def _send(self, rid: str, item) -> None:
+        target = self._sinks.get(rid)
+        if target is None:
+            return
+        if item is None or isinstance(item, Exception) or item.finished:
+            self._sinks.pop(rid, None)
+        loop, sink = target
+        with contextlib.suppress(RuntimeError):  # the handler's event loop is gone
+            loop.call_soon_threadsafe(sink.put_nowait, item)
+
+    def _snapshot(self) -> None:
+        eng = self.engine
+        with self.metrics.lock:
+            self.metrics.running = len(eng.running)
+            self.metrics.waiting = len(eng.waiting)
+            self.metrics.free_blocks = eng.num_free_blocks

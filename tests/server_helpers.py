@@ -1,0 +1,75 @@
+"""Starting a real rlt-hal server process on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("RLT_HAL_NPU_EMULATE", None)
+        cmd = [
+            sys.executable,
+            "-m",
+            "runtime_glue.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            "toy",
+            "--block-size",
+            "16",
+            "--num-blocks",
+            "64",
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy within 120 s")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics").text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self, sig=None) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig) if sig else self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
