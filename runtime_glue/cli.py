@@ -161,6 +161,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    from runtime_glue.llm import LLM
+    from runtime_glue.parity import compare
+
+    def side(device, backend, chunk):
+        return LLM(
+            model=args.model,
+            device=device,
+            attention_backend=backend,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            prefill_chunk_size=chunk,
+        )
+
+    if args.model is None:
+        print(RANDOM_BANNER, file=sys.stderr)
+    a = side(args.device, args.attention_backend, None)
+    b = side(args.against, args.against_backend, args.prefill_chunk_size)
+
+    def label(llm, chunk):
+        mode = f"chunk={chunk}" if chunk else "full-prefill"
+        return f"{llm.driver.label}/{llm.model.backend.name}/{mode}"
+
+    report = compare(
+        a,
+        b,
+        a.encode(_prompt_ids(args)),
+        args.max_tokens,
+        label(a, None),
+        label(b, args.prefill_chunk_size),
+    )
+    print(json.dumps(report.to_json()) if args.json else report.describe())
+    return 0 if report.equal else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlt-hal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,6 +239,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
     )
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser(
+        "parity",
+        help="run one request two ways and locate the first difference (exit 1 when they differ)",
+    )
+    p.add_argument("--model")
+    p.add_argument("--device", help="side A (full prefill)")
+    p.add_argument("--against", help="side B (default: the same device as A)")
+    p.add_argument("--attention-backend", help="side A's backend")
+    p.add_argument("--against-backend", help="side B's backend")
+    p.add_argument("--prefill-chunk-size", type=int, help="side B prefills in chunks of N")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog")
+    src.add_argument("--prompt-ids")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--num-blocks", type=int, default=64)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_parity)
     p = sub.add_parser("run", help="generate from the embedded default checkpoint")
     _add_engine_args(p)
     p.add_argument("--prompt", default="The quick brown fox")

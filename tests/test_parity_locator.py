@@ -1,0 +1,106 @@
+"""The divergence locator finds a planted difference at exactly its place."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from drivers.cpu.driver import CpuDevice, CpuDriver
+from hal import DriverSpec, ProbeResult, Registry, hookimpl
+from hal.eager import EagerBackend
+from runtime_glue.llm import LLM
+from runtime_glue.parity import compare
+from tests.helpers import prompt_of
+
+
+class PerturbedBackend(EagerBackend):
+    """Test double: cpu_eager, except the attention output of one plane is nudged."""
+
+    name = "perturbed_eager"
+
+    def __init__(self, plane: int, position: int) -> None:
+        self.plane, self.position = plane, position
+
+    def forward(self, query, plane, kv, meta, scaling):
+        out = super().forward(query, plane, kv, meta, scaling)
+        if plane == self.plane:
+            for seq in meta.seqs:
+                row = self.position - seq.context_len
+                if 0 <= row < seq.query_len:
+                    out[seq.query_start + row] += 0.5
+        return out
+
+
+def _registry(plane: int, position: int) -> Registry:
+    class Plugin:
+        @hookimpl
+        def rlt_hal_register_drivers(self):
+            def create(**_):
+                backend = PerturbedBackend(plane, position)
+                return CpuDriver("perturbed", CpuDevice(), {backend.name: backend}, backend.name)
+
+            return [DriverSpec("perturbed", lambda: ProbeResult(True), create)]
+
+    return Registry(plugins=[Plugin()])
+
+
+@pytest.mark.parametrize("loop, layer, position", [(0, 0, 0), (2, 1, 6), (3, 1, 12)])
+def test_a_planted_difference_is_reported_at_its_loop_layer_and_op(
+    tiny_ckpt, tiny_config, loop, layer, position
+):
+    plane = loop * tiny_config.num_hidden_layers + layer
+    a = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=8)
+    b = LLM(
+        tiny_ckpt,
+        device="perturbed",
+        block_size=16,
+        num_blocks=8,
+        registry=_registry(plane, position),
+    )
+    report = compare(a, b, prompt_of(10, seed=3), max_tokens=6)
+    assert not report.equal
+    d = report.first_divergence
+    assert (d.loop, d.layer, d.op, d.position) == (loop, layer, "attention", position)
+    assert d.max_abs_diff >= 0.25
+
+
+def test_identical_drivers_are_reported_equal(tiny_ckpt, driver_name):
+    a = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=8)
+    b = LLM(tiny_ckpt, device=driver_name, block_size=16, num_blocks=8)
+    report = compare(a, b, prompt_of(10, seed=3), max_tokens=6)
+    assert report.equal and report.first_divergence is None
+    assert report.first_token_diff is None and report.max_logit_diff == 0.0
+
+
+def test_the_cli_reports_json_and_exits_zero_when_equal(tiny_ckpt):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime_glue.cli",
+            "parity",
+            "--model",
+            str(tiny_ckpt),
+            "--device",
+            "cpu",
+            "--against",
+            "npu",
+            "--prompt-ids",
+            "5,6,7,8,9",
+            "--max-tokens",
+            "4",
+            "--block-size",
+            "16",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "RLT_HAL_NPU_EMULATE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["equal"] is True and report["b"].startswith("npu (emulated")
+    assert len(report["tokens_a"]) == 4
