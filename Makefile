@@ -9,11 +9,12 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup test lint run serve clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml examples/rlt-hal-acme/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps -e examples/rlt-hal-acme
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,6 +24,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing --rlt-driver cpu \
+		--rlt-driver acme
+	RLT_HAL_NPU_EMULATE=1 $(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing \
+		--rlt-driver npu
 
 # The main job: the OpenAI-compatible server on the embedded default (a small random Ouro
 # checkpoint) at http://127.0.0.1:8000/v1. `make run` generates once without a server.

@@ -142,7 +142,15 @@ def tiny_config(tiny_ckpt) -> OuroConfig:
     return OuroConfig.from_dir(tiny_ckpt)
 
 
+BUILTIN_DRIVERS = ("cpu", "cuda", "npu")
+
+
 def available_drivers() -> list[str]:
+    """Built-in drivers that can run here (third-party ones prove themselves with the kit)."""
     from hal.registry import default_registry
 
-    return [spec.name for spec, probe in default_registry().probe_all() if probe.available]
+    return [
+        spec.name
+        for spec, probe in default_registry().probe_all()
+        if probe.available and spec.name in BUILTIN_DRIVERS
+    ]

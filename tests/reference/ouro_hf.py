@@ -92,11 +92,14 @@ class OuroReference(torch.nn.Module):
         """ids ``[1, S]`` at positions ``start..start+S-1``; returns last-position logits."""
         cfg, s = self.cfg, ids.shape[1]
         h = self.embed_tokens(ids)  # [1, S, H]
-        pos = torch.arange(start, start + s)[None]
+        dev = h.device
+        pos = torch.arange(start, start + s, device=dev)[None]
         cos_sin = self.rotary(h, pos)
         kv_len = start + s
-        allowed = torch.arange(kv_len)[None, :] <= (torch.arange(s)[:, None] + start)
-        mask = torch.zeros(s, kv_len, dtype=h.dtype).masked_fill(
+        allowed = torch.arange(kv_len, device=dev)[None, :] <= (
+            torch.arange(s, device=dev)[:, None] + start
+        )
+        mask = torch.zeros(s, kv_len, dtype=h.dtype, device=dev).masked_fill(
             ~allowed, torch.finfo(h.dtype).min
         )[None, None]
         for t in range(cfg.total_ut_steps):
@@ -119,7 +122,8 @@ class OuroReference(torch.nn.Module):
     def generate(self, prompt_ids: list[int], max_new_tokens: int):
         """Greedy tokens and the float32 logits each was chosen from."""
         cache = DynamicCache()
-        logits = self.forward_step(torch.tensor([prompt_ids]), 0, cache)
+        dev = self.lm_head.weight.device
+        logits = self.forward_step(torch.tensor([prompt_ids], device=dev), 0, cache)
         tokens, all_logits = [], []
         pos = len(prompt_ids)
         for _ in range(max_new_tokens):
@@ -128,6 +132,6 @@ class OuroReference(torch.nn.Module):
             all_logits.append(logits)
             if len(tokens) == max_new_tokens:
                 break
-            logits = self.forward_step(torch.tensor([[tok]]), pos, cache)
+            logits = self.forward_step(torch.tensor([[tok]], device=dev), pos, cache)
             pos += 1
-        return tokens, torch.stack(all_logits)
+        return tokens, torch.stack(all_logits).cpu()

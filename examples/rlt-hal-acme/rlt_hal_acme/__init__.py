@@ -1,0 +1,1 @@
+"""Example third-party rlt-hal driver ("acme")."""

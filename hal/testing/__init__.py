@@ -1,0 +1,11 @@
+"""The rlt-hal conformance kit: what any driver must pass.
+
+Run it against a driver package (installed, registered through the ``rlt_hal`` entry point):
+
+    pytest --pyargs hal.testing --rlt-driver NAME [--rlt-driver OTHER]
+
+It checks the interfaces, KV write/read-back across planes and page boundaries, isolation
+and causality, fence semantics, each attention backend against a float64 reference within a
+stated bound (and HF-exact backends bit for bit against the shared HF-order arithmetic), and
+end-to-end greedy parity with the CPU driver on small random checkpoints.
+"""

@@ -1,0 +1,196 @@
+"""Conformance checks for one driver (selected with --rlt-driver)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from hal.eager import paged_eager_attention
+from hal.interfaces import AttentionBackend, Device, Driver, Fence, KVStore
+from hal.registry import Registry
+from hal.testing.reference import ATTENTION_BOUND, attention_f64
+from hal.types import AttentionMetadata, KVLayout, ProbeResult, SequenceSlice
+
+LAYOUT = KVLayout(num_planes=3, num_blocks=6, block_size=16, num_kv_heads=2, head_dim=32)
+HEADS = 4
+
+
+def _rand(*shape, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+
+def _meta(seqs, device):
+    """seqs: (query_start, query_len, context_len, slots) -> metadata for one step."""
+    slices = tuple(SequenceSlice(s, n, c, torch.as_tensor(sl).to(device)) for s, n, c, sl in seqs)
+    new = torch.cat([sl.kv_slots[sl.context_len :] for sl in slices])
+    return AttentionMetadata(slices, new, sum(sl.query_len for sl in slices))
+
+
+def _filled_store(driver, gen):
+    kv = driver.create_kv_store(LAYOUT)
+    dev = driver.device.torch_device
+    slots = torch.arange(LAYOUT.num_slots, device=dev)
+    for p in range(LAYOUT.num_planes):
+        k = _rand(LAYOUT.num_slots, 2, 32, gen=gen, scale=2.0).to(dev)
+        kv.write(p, k, _rand(LAYOUT.num_slots, 2, 32, gen=gen).to(dev), slots)
+    return kv
+
+
+# -- registration and interfaces ---------------------------------------------------------
+
+
+def test_the_driver_is_discovered_through_the_rlt_hal_entry_point_group(rlt_driver_name):
+    groups = importlib.metadata.entry_points(group="rlt_hal")
+    assert groups, "no package declares an rlt_hal entry point"
+    assert rlt_driver_name in Registry().names
+
+
+def test_the_probe_returns_a_probe_result_saying_available(rlt_driver_name):
+    probe = Registry().spec(rlt_driver_name).probe()
+    assert isinstance(probe, ProbeResult) and probe.available, probe.reason
+
+
+def test_create_returns_a_driver_with_a_device_and_named_backends(driver):
+    assert isinstance(driver, Driver) and isinstance(driver.device, Device)
+    assert driver.default_backend in driver.backends
+    for name, backend in driver.backends.items():
+        assert isinstance(backend, AttentionBackend) and backend.name == name
+    driver.device.initialize()  # idempotent
+    assert isinstance(driver.device.torch_device, torch.device)
+    assert isinstance(driver.create_kv_store(LAYOUT), KVStore)
+
+
+def test_fences_complete_once_waited_and_stay_complete(driver):
+    fence = driver.device.record_fence()
+    assert isinstance(fence, Fence)
+    fence.wait()
+    assert fence.done() and fence.done()
+    driver.device.synchronize()
+
+
+# -- the KV store --------------------------------------------------------------------------
+
+
+def test_kv_rows_read_back_from_their_plane_across_page_boundaries(driver):
+    gen = torch.Generator().manual_seed(0)
+    kv = driver.create_kv_store(LAYOUT)
+    dev = driver.device.torch_device
+    slots = torch.tensor([15, 16, 17, 47, 48, 95], device=dev)  # pages 0|1, 2|3 and the last
+    k, v = _rand(6, 2, 32, gen=gen).to(dev), _rand(6, 2, 32, gen=gen).to(dev)
+    kv.write(1, k, v, slots)
+    got_k, got_v = kv.gather(1, slots)
+    assert got_k.shape == (1, 2, 6, 32) and got_k.is_contiguous()
+    assert torch.equal(got_k[0].transpose(0, 1).cpu(), k.cpu())
+    assert torch.equal(got_v[0].transpose(0, 1).cpu(), v.cpu())
+    for other in (0, 2):
+        ok, ov = kv.gather(other, slots)
+        assert not ok.any() and not ov.any(), f"a write to plane 1 reached plane {other}"
+
+
+# -- attention -----------------------------------------------------------------------------
+
+
+def _backends(driver):
+    return list(driver.backends.values())
+
+
+def test_attention_is_within_the_stated_bound_of_float64(driver):
+    gen = torch.Generator().manual_seed(1)
+    kv = _filled_store(driver, gen)
+    dev = driver.device.torch_device
+    seqs = [(0, 5, 11, list(range(16))), (5, 1, 30, list(range(32, 63)))]
+    meta = _meta(seqs, dev)
+    q = _rand(1, HEADS, 6, 32, gen=gen, scale=2.0).to(dev)
+    for backend in _backends(driver):
+        for plane in range(LAYOUT.num_planes):
+            out = backend.forward(q, plane, kv, meta, 32**-0.5).double().cpu()
+            for s in meta.seqs:
+                k, v = kv.gather(plane, s.kv_slots)
+                qs = q[:, :, s.query_start : s.query_start + s.query_len]
+                ref = attention_f64(qs.cpu(), k.cpu(), v.cpu(), 32**-0.5, s.context_len)
+                err = (out[s.query_start : s.query_start + s.query_len] - ref).abs().max()
+                bound = ATTENTION_BOUND * float(v.abs().max())
+                assert err <= bound, f"{backend.name} plane {plane}: {err:.4g} > {bound:.4g}"
+
+
+def test_hf_exact_backends_equal_the_shared_hf_order_bit_for_bit(driver):
+    exact = [b for b in _backends(driver) if b.hf_exact]
+    if not exact:
+        pytest.skip("this driver declares no HF-exact backend")
+    gen = torch.Generator().manual_seed(2)
+    kv = _filled_store(driver, gen)
+    dev = driver.device.torch_device
+    meta = _meta([(0, 7, 9, list(range(16))), (7, 1, 20, list(range(48, 69)))], dev)
+    q = _rand(1, HEADS, 8, 32, gen=gen, scale=2.0).to(dev)
+    want = paged_eager_attention(q, 1, kv, meta, 32**-0.5)
+    for backend in exact:
+        assert torch.equal(backend.forward(q, 1, kv, meta, 32**-0.5), want), backend.name
+
+
+def test_attention_reads_only_its_plane_and_its_own_requests_slots(driver):
+    gen = torch.Generator().manual_seed(3)
+    kv = _filled_store(driver, gen)
+    dev = driver.device.torch_device
+    meta = _meta([(0, 3, 5, list(range(8))), (3, 2, 10, list(range(32, 44)))], dev)
+    q = _rand(1, HEADS, 5, 32, gen=gen).to(dev)
+    for backend in _backends(driver):
+        clean = backend.forward(q, 1, kv, meta, 32**-0.5)
+        used = torch.zeros(LAYOUT.num_slots, dtype=torch.bool)
+        used[list(range(8)) + list(range(32, 44))] = True
+        saved = kv.gather(1, torch.arange(LAYOUT.num_slots, device=dev))
+        poison = torch.full((LAYOUT.num_slots, 2, 32), float("nan")).bfloat16().to(dev)
+        for plane in (0, 2):
+            kv.write(plane, poison, poison, torch.arange(LAYOUT.num_slots, device=dev))
+        unused = torch.nonzero(~used)[:, 0].to(dev)
+        kv.write(1, poison[: len(unused)], poison[: len(unused)], unused)
+        assert torch.equal(backend.forward(q, 1, kv, meta, 32**-0.5), clean), backend.name
+        kv.write(
+            1,
+            saved[0][0].transpose(0, 1),
+            saved[1][0].transpose(0, 1),
+            torch.arange(LAYOUT.num_slots, device=dev),
+        )
+
+
+def test_a_query_never_sees_later_positions(driver):
+    gen = torch.Generator().manual_seed(4)
+    kv = _filled_store(driver, gen)
+    dev = driver.device.torch_device
+    slots = list(range(20))
+    meta = _meta([(0, 8, 12, slots)], dev)  # positions 12..19
+    q = _rand(1, HEADS, 8, 32, gen=gen).to(dev)
+    for backend in _backends(driver):
+        before = backend.forward(q, 0, kv, meta, 32**-0.5)
+        later = torch.tensor([16, 17, 18, 19], device=dev)
+        junk = _rand(4, 2, 32, gen=gen, scale=5.0).to(dev)
+        kv.write(0, junk, junk, later)
+        after = backend.forward(q, 0, kv, meta, 32**-0.5)
+        assert torch.equal(after[:4], before[:4]), f"{backend.name} leaked future positions"
+        assert not torch.equal(after[4:], before[4:])
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+
+def test_greedy_generation_matches_the_cpu_driver(driver, rlt_driver_name, tmp_path_factory):
+    # The kit's end-to-end case drives the runtime; hal's library code never imports it.
+    from runtime_glue.llm import LLM
+    from runtime_glue.sampling import SamplingParams
+    from runtime_glue.toy import preset_config, write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("kit"), preset_config("tiny"), seed=5)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [[5, 9, 200, 17, 3, 44, 61], list(range(10, 30))]
+    want = LLM(ckpt, device="cpu", block_size=16, num_blocks=16).generate(
+        prompts, params, return_logits=True
+    )
+    for backend in driver.backends:
+        got = LLM(
+            ckpt, device=rlt_driver_name, attention_backend=backend, block_size=16, num_blocks=16
+        ).generate(prompts, params, return_logits=True)
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids, f"{backend}: greedy tokens differ from cpu"
+            if driver.device.torch_device.type == "cpu" and driver.backends[backend].hf_exact:
+                assert torch.equal(g.logits, w.logits), f"{backend}: logits differ from cpu"

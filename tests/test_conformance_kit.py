@@ -1,0 +1,111 @@
+"""The conformance kit: the example third-party driver passes it, a broken driver fails it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+
+def _kit(driver: str, env=None):
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--pyargs",
+            "hal.testing",
+            "--rlt-driver",
+            driver,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+def test_the_example_driver_is_registered_only_through_its_entry_point():
+    [ep] = [ep for ep in entry_points(group="rlt_hal") if ep.name == "acme"]
+    assert ep.value == "rlt_hal_acme.plugin" and ep.dist.name == "rlt-hal-acme"
+    code = (
+        "import sys; from hal.registry import Registry; assert 'rlt_hal_acme' not in "
+        "sys.modules; print(Registry().names)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "'acme'" in out.stdout, out.stderr
+
+
+def test_the_example_driver_is_selected_with_vllm_rlt_device(tiny_ckpt):
+    env = {**os.environ, "VLLM_RLT_DEVICE": "acme"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime_glue.cli",
+            "generate",
+            "--model",
+            str(tiny_ckpt),
+            "--prompt-ids",
+            "5,6,7",
+            "--max-tokens",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert '"device": "acme"' in proc.stdout and '"attention_backend": "acme_eager"' in proc.stdout
+
+
+def test_the_example_driver_passes_the_kit():
+    proc = _kit("acme")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "10 passed" in proc.stdout
+
+
+BROKEN = '''
+import torch
+from hal import DriverSpec, ProbeResult, hookimpl
+from hal.eager import EagerBackend, TensorKVStore, eager_attention
+from drivers.cpu.driver import CpuDevice, CpuDriver
+
+
+class LeakyBackend(EagerBackend):
+    """Forgets the causal mask: every query sees the whole gathered context."""
+    name = "leaky"
+
+    def forward(self, query, plane, kv, meta, scaling):
+        _, heads, n, d = query.shape
+        out = query.new_empty(n, heads * d)
+        for s in meta.seqs:
+            k, v = kv.gather(plane, s.kv_slots)
+            q = query[:, :, s.query_start : s.query_start + s.query_len]
+            o = eager_attention(q, k, v, scaling, context_len=s.kv_len)
+            out[s.query_start : s.query_start + s.query_len] = o.reshape(s.query_len, -1)
+        return out
+
+
+@hookimpl
+def rlt_hal_register_drivers():
+    make = lambda **_: CpuDriver("leaky", CpuDevice(), {"leaky": LeakyBackend()}, "leaky")
+    return [DriverSpec("leaky", lambda: ProbeResult(True), make)]
+'''
+
+
+def test_a_driver_that_leaks_future_positions_fails_the_kit(tmp_path):
+    (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
+    dist = tmp_path / "leaky_driver-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: leaky-driver\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[rlt_hal]\nleaky = leaky_driver\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    proc = _kit("leaky", env)
+    assert proc.returncode == 1
+    assert "FAILED" in proc.stdout and "test_a_query_never_sees_later_positions" in proc.stdout
