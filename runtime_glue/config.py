@@ -42,7 +42,7 @@ class OuroConfig:
         _reject_unsupported(raw, source)
         try:
             heads = int(raw["num_attention_heads"])
-            values = dict(
+            values: dict[str, Any] = dict(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=int(raw["hidden_size"]),
                 intermediate_size=int(raw["intermediate_size"]),

@@ -229,14 +229,18 @@ class Engine:
         total = sum(n for _, n in plan)
         buf = self.buffers[self.num_steps % len(self.buffers)].acquire()
         ids, pos, rows = buf.input_ids, buf.positions, buf.sample_rows
-        seqs, slot_parts, sampled, tokens = [], [], [], []
+        seqs: list[SequenceSlice] = []
+        slot_parts: list[torch.Tensor] = []
+        sampled: list[Request] = []
+        tokens: list[int] = []
         start = 0
         for req, n in plan:
-            ctx = req.num_computed
+            ctx, slots = req.num_computed, req.slots
+            assert slots is not None, "a running request always has its slots"
             tokens.extend(req.tokens(ctx, ctx + n))
             torch.arange(ctx, ctx + n, out=pos[start : start + n])
-            seqs.append(SequenceSlice(start, n, ctx, req.slots[: ctx + n]))
-            slot_parts.append(req.slots[ctx : ctx + n])
+            seqs.append(SequenceSlice(start, n, ctx, slots[: ctx + n]))
+            slot_parts.append(slots[ctx : ctx + n])
             if ctx + n == req.num_tokens:
                 rows[len(sampled)] = start + n - 1
                 sampled.append(req)

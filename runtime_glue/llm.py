@@ -138,7 +138,7 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Run every prompt through the engine together; one output per prompt, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         params = sampling_params or SamplingParams()
         encoded = [self.encode(p) for p in prompts]
         for i, ids in enumerate(encoded):

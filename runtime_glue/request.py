@@ -7,6 +7,7 @@ import enum
 import attrs
 import torch
 
+from hal.interfaces import Fence
 from runtime_glue.sampling import SamplingParams
 
 
@@ -32,7 +33,7 @@ class Request:
     text: str = ""
     logits: list[torch.Tensor] = attrs.field(factory=list)
     generator: torch.Generator | None = None
-    last_fence: object | None = None  # Fence of the last step that read this request's pages
+    last_fence: Fence | None = None  # of the last step that read this request's pages
     arrival_time: float = 0.0
     first_token_time: float | None = None
 

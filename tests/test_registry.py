@@ -42,7 +42,9 @@ def test_builtin_drivers_are_found_only_through_entry_points():
 
 
 def test_an_unknown_device_lists_the_known_drivers():
-    with pytest.raises(ValueError, match=r"unknown device 'tpu'; known drivers: cpu, cuda, npu"):
+    with pytest.raises(
+        ValueError, match=r"unknown device 'tpu'; known drivers: (.+, )?cpu, cuda, npu"
+    ):
         Registry().select("tpu")
 
 

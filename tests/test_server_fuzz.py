@@ -13,7 +13,7 @@ json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**40), 2**40)
-    | st.floats(allow_nan=False)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
     lambda inner: (
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)

@@ -193,4 +193,5 @@ def test_greedy_generation_matches_the_cpu_driver(driver, rlt_driver_name, tmp_p
         for g, w in zip(got, want, strict=True):
             assert g.token_ids == w.token_ids, f"{backend}: greedy tokens differ from cpu"
             if driver.device.torch_device.type == "cpu" and driver.backends[backend].hf_exact:
+                assert g.logits is not None and w.logits is not None
                 assert torch.equal(g.logits, w.logits), f"{backend}: logits differ from cpu"
