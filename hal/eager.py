@@ -66,6 +66,14 @@ def paged_eager_attention(
         start, q_len = seq.query_start, seq.query_len
         q = query[:, :, start : start + q_len, :]
         k, v = kv.gather(plane, seq.kv_slots)
+        if meta.deterministic:
+            # Each row as a decode step would compute it: one query over exactly positions
+            # 0..p, whatever chunk or batch the row arrived in.
+            for i in range(q_len):
+                n = seq.context_len + i + 1
+                o = eager_attention(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], scaling, n - 1)
+                out[start + i] = o.view(heads * d)
+            continue
         o = eager_attention(q, k, v, scaling, seq.context_len)
         out[start : start + q_len] = o.view(q_len, heads * d)
     return out
@@ -76,6 +84,7 @@ class EagerBackend(AttentionBackend):
 
     name = "eager"
     hf_exact = True
+    supports_deterministic = True
 
     def forward(self, query, plane, kv, meta, scaling):
         return paged_eager_attention(query, plane, kv, meta, scaling)

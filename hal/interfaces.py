@@ -103,6 +103,9 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str]
     # True when the backend reproduces HF eager's rounding order bit for bit.
     hf_exact: ClassVar[bool] = False
+    # True when the backend honours ``meta.deterministic`` (row results independent of the
+    # step's other rows and of how a prompt was chunked).
+    supports_deterministic: ClassVar[bool] = False
 
     @abc.abstractmethod
     def forward(

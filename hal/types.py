@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -96,4 +96,6 @@ class AttentionMetadata:
     seqs: tuple[SequenceSlice, ...]
     slot_mapping: torch.Tensor  # [N] int64: cache slot each new token's K/V is written to
     num_tokens: int
-    extras: dict[str, Any] = attrs.field(factory=dict)  # driver-private per-step data
+    # Deterministic mode: every query row is computed alone over exactly its own context, so
+    # its bits cannot depend on chunking or on the other rows of the step.
+    deterministic: bool = False

@@ -27,6 +27,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--prefill-chunk-size", type=int)
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-identical results whatever the chunk size or batch mix",
+    )
 
 
 def build_llm(args: argparse.Namespace, progress: bool = True):
@@ -45,6 +50,7 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
         progress=progress,
+        deterministic=args.deterministic,
     )
     print(f"{llm.driver.label}: {llm.kv_summary}", file=sys.stderr)
     return llm

@@ -248,7 +248,9 @@ class Engine:
         ids[:total] = torch.tensor(tokens, dtype=torch.int64)
         dev = self.device.torch_device
         nonblock = self.device.pin_memory
-        meta = AttentionMetadata(tuple(seqs), torch.cat(slot_parts), total)
+        meta = AttentionMetadata(
+            tuple(seqs), torch.cat(slot_parts), total, deterministic=self.model.deterministic
+        )
         return (
             buf,
             ids[:total].to(dev, non_blocking=nonblock),

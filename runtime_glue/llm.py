@@ -84,6 +84,7 @@ class LLM:
         registry: Registry | None = None,
         driver_options: dict | None = None,
         progress: bool = False,
+        deterministic: bool = False,
     ) -> None:
         if dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {dtype!r}")
@@ -104,6 +105,8 @@ class LLM:
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
         logger.info("%s", self.kv_summary)
         self.model = OuroModel(cfg, weights, backend, self.kv_store)
+        if deterministic:
+            self.model.enable_deterministic()
         self.engine = Engine(
             self.model,
             self.driver.device,

@@ -105,6 +105,24 @@ class OuroModel:
         )
         self.scaling = d**-0.5
         self.recorder: Recorder | None = None
+        self.deterministic = False
+        self.linear = F.linear
+
+    def enable_deterministic(self) -> None:
+        """Row-invariant execution (see runtime_glue.determinism); verified before enabling."""
+        from runtime_glue.determinism import choose_linear
+
+        if not self.backend.supports_deterministic:
+            raise ValueError(
+                f"attention backend {self.backend.name!r} does not support deterministic mode"
+            )
+        w = self.layers[0]
+        eps, norm_w = self.cfg.rms_norm_eps, w.ln
+        self.linear = choose_linear(
+            [w.q, w.k, w.v, w.o, w.gate, w.up, w.down, self.lm_head],
+            lambda x: rms_norm(x, norm_w, eps),
+        )
+        self.deterministic = True
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[1, N, d]``: angles in fp32, cast to bf16 last."""
@@ -116,9 +134,9 @@ class OuroModel:
     def attention(self, t: int, li: int, x, cos, sin, meta: AttentionMetadata):
         w, cfg, n = self.layers[li], self.cfg, x.shape[0]
         d = cfg.head_dim
-        q = F.linear(x, w.q).view(1, n, cfg.num_attention_heads, d).transpose(1, 2)
-        k = F.linear(x, w.k).view(1, n, cfg.num_key_value_heads, d).transpose(1, 2)
-        v = F.linear(x, w.v).view(1, n, cfg.num_key_value_heads, d).transpose(1, 2)
+        q = self.linear(x, w.q).view(1, n, cfg.num_attention_heads, d).transpose(1, 2)
+        k = self.linear(x, w.k).view(1, n, cfg.num_key_value_heads, d).transpose(1, 2)
+        v = self.linear(x, w.v).view(1, n, cfg.num_key_value_heads, d).transpose(1, 2)
         if self.recorder is not None:
             for op, val in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 self.recorder(t, li, op, val.transpose(1, 2).reshape(n, -1))
@@ -130,11 +148,12 @@ class OuroModel:
         o = self.backend.forward(q, plane, self.kv, meta, self.scaling)  # [N, Hq * d]
         if self.recorder is not None:
             self.recorder(t, li, "attention", o)
-        return F.linear(o, w.o)
+        return self.linear(o, w.o)
 
     def mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
         w = self.layers[li]
-        return F.linear(F.silu(F.linear(x, w.gate)) * F.linear(x, w.up), w.down)
+        lin = self.linear
+        return lin(F.silu(lin(x, w.gate)) * lin(x, w.up), w.down)
 
     def layer(self, t: int, li: int, h, cos, sin, meta):
         w, eps = self.layers[li], self.cfg.rms_norm_eps
@@ -163,4 +182,4 @@ class OuroModel:
             for li in range(self.cfg.num_hidden_layers):
                 h = self.layer(t, li, h, cos, sin, meta)
             h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h.index_select(0, sample_rows), self.lm_head)  # [R, vocab]
+        return self.linear(h.index_select(0, sample_rows), self.lm_head)  # [R, vocab]

@@ -1,0 +1,71 @@
+"""Deterministic mode: a row's bits depend on its own request only.
+
+Two sources of row-to-row coupling exist in a step. Attention: a query inside a multi-row
+call takes a different kernel path than the same query alone; the backends' deterministic
+mode computes every row alone over exactly its own context. Linear layers: a one-row call
+takes a different kernel path (gemv) than the same row inside a larger call, so one-row
+calls are padded to two rows. Whether the kernels are then really row-invariant is a
+property of the device and its libraries, so ``check_row_invariance`` verifies it for the
+model's actual weight shapes before the mode is allowed to run.
+
+Contract: with the mode on, tokens and logits do not depend on chunk size or on batch
+composition. They may differ from HF's own bits for a lone request, since HF's prefill runs
+multi-row attention; with the mode off, a lone request matches HF bit for bit instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_COUNTS = (1, 2, 3, 5, 8, 13, 16)
+
+
+def row_invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` that never makes a one-row call (one-row calls take the gemv path)."""
+    if x.shape[0] == 1:
+        return F.linear(x.expand(2, -1), w)[:1]
+    return F.linear(x, w)
+
+
+def choose_linear(weights: list[torch.Tensor], norm):
+    """The cheapest row-invariant linear for these weight shapes on their device.
+
+    Plain ``F.linear`` when its kernels are already row-invariant (padding would double the
+    cost of one-row decode calls), else the padded variant; RuntimeError when neither is, or
+    when ``norm`` is not.
+    """
+    x = _inputs(weights[0].shape[1], weights[0])
+    _check(norm, x, "rms_norm")
+    failure = None
+    for linear in (F.linear, row_invariant_linear):
+        try:
+            check_row_invariance(weights, linear)
+            return linear
+        except RuntimeError as exc:
+            failure = failure or exc
+    raise failure  # type: ignore[misc]
+
+
+def check_row_invariance(weights: list[torch.Tensor], linear) -> None:
+    """Raise RuntimeError unless every row of a call equals that row in calls of other sizes."""
+    for shape in sorted({tuple(w.shape) for w in weights}):
+        w = next(w for w in weights if tuple(w.shape) == shape)
+        _check(lambda rows, w=w: linear(rows, w), _inputs(shape[1], w), f"linear {list(shape)}")
+
+
+def _inputs(width: int, like: torch.Tensor) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(width)
+    return torch.randn(max(ROW_COUNTS), width, generator=gen).to(like.dtype).to(like.device)
+
+
+def _check(fn, x: torch.Tensor, what: str) -> None:
+    full = fn(x)
+    for n in ROW_COUNTS:
+        for start in (0, len(x) - n):
+            part = fn(x[start : start + n])
+            if not torch.equal(part, full[start : start + n]):
+                raise RuntimeError(
+                    f"deterministic mode is not supported on this device: {what} gives "
+                    f"different bits for the same row in calls of {n} and {len(x)} rows"
+                )
