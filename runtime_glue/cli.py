@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=64)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_parity)
+    from runtime_glue.bench.cli import add_parsers
+
+    add_parsers(sub)
     p = sub.add_parser("run", help="generate from the embedded default checkpoint")
     _add_engine_args(p)
     p.add_argument("--prompt", default="The quick brown fox")

@@ -1,0 +1,103 @@
+"""``rlt-hal bench latency | baseline | serve``: JSON plus a markdown table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model")
+    src.add_argument("--preset", choices=["tiny", "small", "ouro-1.4b-shape"], default="small")
+    p.add_argument("--device")
+    p.add_argument("--attention-backend")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("bench", help="latency, baseline and HTTP benchmarks")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    lat = kinds.add_parser("latency", help="single-request figures against their floors")
+    _model_args(lat)
+    lat.add_argument("--input-lens", type=_ints, default=[64, 512, 2048])
+    lat.add_argument("--output-len", type=int, default=64)
+    lat.add_argument("--runs", type=int, default=3)
+    lat.add_argument("--warmup", type=int, default=1)
+    lat.set_defaults(func=cmd_latency)
+    base = kinds.add_parser("baseline", help="rlt-hal vs the HF-module reference")
+    _model_args(base)
+    base.add_argument("--input-len", type=int, default=64)
+    base.add_argument("--output-len", type=int, default=16)
+    base.add_argument("--runs", type=int, default=3)
+    base.add_argument("--concurrency", type=int, default=8, help="prompts at once (besides c=1)")
+    base.set_defaults(func=cmd_baseline)
+    srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
+    srv.add_argument("--url", required=True)
+    srv.add_argument("--model", help="served model name (default: the server's first)")
+    srv.add_argument("--concurrency", type=_ints, default=[1, 8])
+    srv.add_argument("--num-requests", type=int, default=16)
+    srv.add_argument("--input-len", type=int, default=64)
+    srv.add_argument("--output-len", type=int, default=32)
+    srv.add_argument("--json", metavar="OUT")
+    srv.set_defaults(func=cmd_serve)
+
+
+def _llm(args, tokens: int):
+    from runtime_glue.bench.engine_bench import preset_dir
+    from runtime_glue.llm import LLM
+
+    model = args.model or preset_dir(args.preset)
+    blocks = -(-tokens // args.block_size) + 1
+    return LLM(
+        model,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        block_size=args.block_size,
+        num_blocks=blocks,
+        max_num_batched_tokens=max(8192, tokens),
+        deterministic=args.deterministic,
+    )
+
+
+def _emit(args, report: dict, table: str) -> int:
+    report["command"] = "rlt-hal " + " ".join(sys.argv[1:])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    print(table)
+    return 0
+
+
+def cmd_latency(args) -> int:
+    from runtime_glue.bench.engine_bench import latency, markdown_latency
+
+    llm = _llm(args, max(args.input_lens) + args.output_len + 8)
+    report = latency(llm, args.input_lens, args.output_len, args.runs, args.warmup)
+    report["preset"] = None if args.model else args.preset
+    return _emit(args, report, markdown_latency(report))
+
+
+def cmd_baseline(args) -> int:
+    from runtime_glue.bench.engine_bench import baseline, markdown_baseline
+
+    llm = _llm(args, args.concurrency * (args.input_len + args.output_len + args.block_size))
+    report = baseline(llm, args.input_len, args.output_len, args.runs, args.concurrency)
+    report["preset"] = None if args.model else args.preset
+    return _emit(args, report, markdown_baseline(report))
+
+
+def cmd_serve(args) -> int:
+    from runtime_glue.bench.serve_bench import markdown_serve, serve
+
+    report = serve(
+        args.url, args.concurrency, args.num_requests, args.input_len, args.output_len, args.model
+    )
+    return _emit(args, report, markdown_serve(report))

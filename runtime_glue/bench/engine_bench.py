@@ -1,0 +1,219 @@
+"""``rlt-hal bench latency`` and ``bench baseline``: single-request figures with their floors,
+and rlt-hal against the HF-module reference on the same weights, in the same process."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from runtime_glue.bench import floors
+from runtime_glue.llm import LLM
+from runtime_glue.sampling import SamplingParams
+
+
+def summary(values: list[float]) -> dict:
+    return {"p50": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def preset_dir(preset: str) -> Path:
+    from runtime_glue.toy import preset_config, write_checkpoint
+
+    cache = Path(os.environ.get("RLT_HAL_CACHE", Path.home() / ".cache" / "rlt-hal"))
+    path = cache / f"bench-{preset}-seed0"
+    if not (path / "config.json").is_file():
+        write_checkpoint(path, preset_config(preset), seed=0)
+    return path
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _prompt(length: int, vocab: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=gen).tolist()
+
+
+def _one_run(llm: LLM, prompt: list[int], output_len: int) -> dict:
+    eng = llm.engine
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    eng.add_request("bench", prompt, params)
+    first = None
+    while eng.has_unfinished():
+        if eng.step() and first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return {
+        "ttft": first - start,
+        "tpot": (end - first) / max(output_len - 1, 1),
+        "tok_s": output_len / (end - start),
+    }
+
+
+def python_overhead(llm: LLM, prompt: list[int]) -> dict:
+    """Wall time of one decode step against the time its aten ops ran (torch.profiler)."""
+    eng = llm.engine
+    eng.add_request("overhead", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()  # prefill
+    with torch.profiler.profile() as prof:
+        start = time.perf_counter()
+        eng.step()  # one decode step
+        wall = time.perf_counter() - start
+    while eng.has_unfinished():
+        eng.step()
+    kernels = (
+        sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / 1e6
+    )
+    return {
+        "decode_step_wall_s": wall,
+        "aten_self_time_s": kernels,
+        "overhead_s": max(wall - kernels, 0.0),
+    }
+
+
+def measure_floors(llm: LLM, rows: list[int]) -> dict:
+    dev, sync = llm.driver.device.torch_device, llm.driver.device.synchronize
+    return {
+        "bandwidth": floors.read_bandwidth(dev, sync),
+        "gemm_flops": {r: floors.gemm_rate(dev, sync, r) for r in sorted(set(rows))},
+    }
+
+
+def latency(llm: LLM, input_lens: list[int], output_len: int, runs: int, warmup: int) -> dict:
+    cfg = llm.config
+    hw = measure_floors(llm, [*input_lens, 1])
+    results = []
+    for n in input_lens:
+        prompt = _prompt(n, cfg.vocab_size, seed=n)
+        for _ in range(warmup):
+            _one_run(llm, prompt, min(output_len, 4))
+        samples = [_one_run(llm, prompt, output_len) for _ in range(runs)]
+        ttft = summary([s["ttft"] for s in samples])
+        tpot = summary([s["tpot"] for s in samples])
+        decode_floor = floors.decode_bytes(cfg, n + output_len // 2) / hw["bandwidth"]["read_Bps"]
+        prefill_floor = floors.prefill_flops(cfg, n) / hw["gemm_flops"][n]
+        results.append(
+            {
+                "input_len": n,
+                "output_len": output_len,
+                "runs": runs,
+                "ttft_s": ttft,
+                "tpot_s": tpot,
+                "output_tok_s": summary([s["tok_s"] for s in samples]),
+                "decode_floor_s": decode_floor,
+                "tpot_over_decode_floor": tpot["p50"] / decode_floor,
+                "prefill_floor_s": prefill_floor,
+                "ttft_over_prefill_floor": ttft["p50"] / prefill_floor,
+                "prefill_fraction_of_gemm_rate": prefill_floor / ttft["p50"],
+            }
+        )
+    lay = llm.kv_layout
+    return {
+        "machine": machine(),
+        "device": llm.driver.label,
+        "attention_backend": llm.model.backend.name,
+        "deterministic": llm.model.deterministic,
+        "config": {
+            "hidden_size": cfg.hidden_size,
+            "layers": cfg.num_hidden_layers,
+            "loops": cfg.total_ut_steps,
+            "vocab_size": cfg.vocab_size,
+        },
+        "floors": hw,
+        "kv_pool": {
+            "blocks": lay.num_blocks,
+            "tokens": lay.num_slots,
+            "bytes_per_token": lay.bytes_per_token,
+        },
+        "peak_memory": llm.driver.device.memory_stats(),
+        "python_overhead": python_overhead(llm, _prompt(input_lens[0], cfg.vocab_size, 1)),
+        "results": results,
+    }
+
+
+def baseline(llm: LLM, input_len: int, output_len: int, runs: int, concurrency: int) -> dict:
+    """rlt-hal vs the HF-module reference on the same weights: c=1 and ``concurrency`` prompts."""
+    from runtime_glue.reference import OuroReference
+
+    ref = OuroReference(llm.config).load(llm.model_dir)
+    vocab = llm.config.vocab_size
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    prompts = [_prompt(input_len, vocab, seed=i) for i in range(concurrency)]
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    batch = f"c{concurrency}"
+    rows: dict[str, dict[str, list[float]]] = {
+        "c1": {"rlt_hal": [], "baseline": []},
+        batch: {"rlt_hal": [], "baseline": []},
+    }
+    for _ in range(runs):  # interleaved, so drift on a shared machine hits both alike
+        rows["c1"]["rlt_hal"].append(output_len / timed(lambda: llm.generate(prompts[:1], params)))
+        rows["c1"]["baseline"].append(
+            output_len / timed(lambda: ref.generate(prompts[0], output_len))
+        )
+        total = output_len * concurrency
+        rows[batch]["rlt_hal"].append(total / timed(lambda: llm.generate(prompts, params)))
+        rows[batch]["baseline"].append(
+            total / timed(lambda: [ref.generate(p, output_len) for p in prompts])
+        )
+    out = {
+        "machine": machine(),
+        "device": llm.driver.label,
+        "input_len": input_len,
+        "output_len": output_len,
+        "runs": runs,
+        "concurrency": concurrency,
+        "baseline": "HF-module reference (transformers Llama blocks + DynamicCache, eager); "
+        "it runs one request at a time, so its batched figure is sequential runs",
+    }
+    out["levels"] = {}
+    for level, pair in rows.items():
+        ours, theirs = statistics.median(pair["rlt_hal"]), statistics.median(pair["baseline"])
+        out["levels"][level] = {
+            "rlt_hal_tok_s": ours,
+            "baseline_tok_s": theirs,
+            "ratio": ours / theirs,
+        }
+    return out
+
+
+def markdown_latency(report: dict) -> str:
+    lines = [
+        "| input | TTFT p50 (s) | TPOT p50 (s) | tok/s p50 | decode floor (s) | "
+        "TPOT/floor | prefill floor (s) | TTFT/floor |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['input_len']} | {r['ttft_s']['p50']:.3f} | {r['tpot_s']['p50']:.3f} | "
+            f"{r['output_tok_s']['p50']:.2f} | {r['decode_floor_s']:.3f} | "
+            f"{r['tpot_over_decode_floor']:.2f} | {r['prefill_floor_s']:.3f} | "
+            f"{r['ttft_over_prefill_floor']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown_baseline(report: dict) -> str:
+    lines = ["| concurrency | rlt-hal tok/s | baseline tok/s | ratio |", "|---|---|---|---|"]
+    for level, r in report["levels"].items():
+        lines.append(
+            f"| {level} | {r['rlt_hal_tok_s']:.2f} | {r['baseline_tok_s']:.2f} | {r['ratio']:.2f} |"
+        )
+    return "\n".join(lines)
