@@ -117,3 +117,27 @@ def test_bench_serve_drives_a_real_server_with_zero_errors(tmp_path, tiny_ckpt):
             assert _positive(lv[key]["p50"]) and lv[key]["p99"] >= lv[key]["p50"]
         assert _positive(lv["request_throughput_per_s"]) and _positive(lv["output_tok_s"])
     assert "| 4 | 6 | 0 |" in table
+
+
+def test_bench_determinism_reports_the_cost_of_the_mode(tmp_path):
+    report, table = _bench(
+        tmp_path,
+        "determinism",
+        "--preset",
+        "tiny",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--runs",
+        "1",
+        "--concurrency",
+        "2",
+        "--block-size",
+        "16",
+    )
+    assert set(report["levels"]) == {"c1", "c2"}
+    for r in report["levels"].values():
+        assert _positive(r["off_tok_s"]) and _positive(r["on_tok_s"])
+        assert abs(r["cost"] - (1 - r["on_tok_s"] / r["off_tok_s"])) < 1e-9
+    assert "| c2 |" in table

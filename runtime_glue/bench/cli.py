@@ -39,6 +39,13 @@ def add_parsers(sub) -> None:
     base.add_argument("--runs", type=int, default=3)
     base.add_argument("--concurrency", type=int, default=8, help="prompts at once (besides c=1)")
     base.set_defaults(func=cmd_baseline)
+    det = kinds.add_parser("determinism", help="throughput cost of --deterministic")
+    _model_args(det)
+    det.add_argument("--input-len", type=int, default=64)
+    det.add_argument("--output-len", type=int, default=16)
+    det.add_argument("--runs", type=int, default=3)
+    det.add_argument("--concurrency", type=int, default=8)
+    det.set_defaults(func=cmd_determinism)
     srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
     srv.add_argument("--url", required=True)
     srv.add_argument("--model", help="served model name (default: the server's first)")
@@ -92,6 +99,21 @@ def cmd_baseline(args) -> int:
     report = baseline(llm, args.input_len, args.output_len, args.runs, args.concurrency)
     report["preset"] = None if args.model else args.preset
     return _emit(args, report, markdown_baseline(report))
+
+
+def cmd_determinism(args) -> int:
+    from runtime_glue.bench.engine_bench import determinism_cost, markdown_determinism
+
+    tokens = args.concurrency * (args.input_len + args.output_len + args.block_size)
+    args.deterministic = False
+    default = _llm(args, tokens)
+    args.deterministic = True
+    deterministic = _llm(args, tokens)
+    report = determinism_cost(
+        default, deterministic, args.input_len, args.output_len, args.runs, args.concurrency
+    )
+    report["preset"] = None if args.model else args.preset
+    return _emit(args, report, markdown_determinism(report))
 
 
 def cmd_serve(args) -> int:

@@ -217,3 +217,41 @@ def markdown_baseline(report: dict) -> str:
             f"| {level} | {r['rlt_hal_tok_s']:.2f} | {r['baseline_tok_s']:.2f} | {r['ratio']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def determinism_cost(
+    default: LLM, deterministic: LLM, input_len: int, output_len: int, runs: int, concurrency: int
+) -> dict:
+    """Throughput with deterministic mode off and on, interleaved run by run."""
+    vocab = default.config.vocab_size
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    prompts = [_prompt(input_len, vocab, seed=i) for i in range(concurrency)]
+    levels = {"c1": prompts[:1], f"c{concurrency}": prompts}
+    samples: dict[str, dict[str, list[float]]] = {k: {"off": [], "on": []} for k in levels}
+    for _ in range(runs):
+        for level, batch in levels.items():
+            for mode, llm in (("off", default), ("on", deterministic)):
+                start = time.perf_counter()
+                llm.generate(batch, params)
+                samples[level][mode].append(output_len * len(batch) / (time.perf_counter() - start))
+    out = {
+        "machine": machine(),
+        "device": default.driver.label,
+        "input_len": input_len,
+        "output_len": output_len,
+        "runs": runs,
+        "levels": {},
+    }
+    for level, pair in samples.items():
+        off, on = statistics.median(pair["off"]), statistics.median(pair["on"])
+        out["levels"][level] = {"off_tok_s": off, "on_tok_s": on, "cost": 1 - on / off}
+    return out
+
+
+def markdown_determinism(report: dict) -> str:
+    lines = ["| concurrency | mode off tok/s | mode on tok/s | cost |", "|---|---|---|---|"]
+    for level, r in report["levels"].items():
+        lines.append(
+            f"| {level} | {r['off_tok_s']:.2f} | {r['on_tok_s']:.2f} | {100 * r['cost']:.1f}% |"
+        )
+    return "\n".join(lines)

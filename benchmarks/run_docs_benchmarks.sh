@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Reproduce the CPU figures in docs/benchmarks.md (about 25 minutes on 2 cores).
+# Usage: benchmarks/run_docs_benchmarks.sh OUT_DIR   (JSON reports land in OUT_DIR)
+set -euo pipefail
+out=${1:?usage: $0 OUT_DIR}
+mkdir -p "$out"
+B="${RLT_HAL:-.venv/bin/rlt-hal} bench"
+$B latency --preset small --input-lens 64,512,2048 --output-len 64 --runs 3 --warmup 1 \
+    --json "$out/small-latency.json"
+$B baseline --preset small --input-len 64 --output-len 32 --runs 3 --json "$out/small-baseline.json"
+$B determinism --preset small --input-len 64 --output-len 32 --runs 3 \
+    --json "$out/small-determinism.json"
+$B latency --preset ouro-1.4b-shape --input-lens 64,512 --output-len 16 --runs 1 --warmup 0 \
+    --json "$out/ouro-latency.json"
+$B baseline --preset ouro-1.4b-shape --input-len 16 --output-len 8 --runs 1 \
+    --json "$out/ouro-baseline.json"
+$B determinism --preset ouro-1.4b-shape --input-len 16 --output-len 8 --runs 1 \
+    --json "$out/ouro-determinism.json"
