@@ -23,6 +23,7 @@ from runtime_glue.server.protocol import (
     error_body,
 )
 from runtime_glue.server.routes import chat_response, completion_response
+from runtime_glue.tokenizer import load_tokenizer
 
 
 def _json_error(status, message, type_="invalid_request_error", param=None, code=None):
@@ -36,7 +37,9 @@ class Server:
         self, llm, served_model_name: str, api_key: str | None = None, default_max_tokens: int = 16
     ) -> None:
         self.llm = llm
-        self.tokenizer = llm.tokenizer
+        # The engine thread decodes with llm.tokenizer; a fast tokenizer must not be used from
+        # two threads at once ("Already borrowed"), so handlers encode with their own copy.
+        self.tokenizer = load_tokenizer(llm.model_dir)
         self.model_name = served_model_name
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
