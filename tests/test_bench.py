@@ -11,7 +11,9 @@ import sys
 from tests.server_helpers import ServerProcess
 
 
-def _bench(tmp_path, *args):
+def _bench(tmp_path, command: str, *extra: str):
+    """Run ``rlt-hal bench COMMAND EXTRA... --json OUT``; returns (report, printed table)."""
+    args = [*command.split(), *extra]
     out = tmp_path / "report.json"
     env = {**os.environ, "RLT_HAL_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
@@ -31,19 +33,7 @@ def _positive(x):
 def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
     report, table = _bench(
         tmp_path,
-        "latency",
-        "--preset",
-        "tiny",
-        "--input-lens",
-        "8,20",
-        "--output-len",
-        "4",
-        "--runs",
-        "2",
-        "--warmup",
-        "1",
-        "--block-size",
-        "16",
+        "latency --preset tiny --input-lens 8,20 --output-len 4 --runs 2 --warmup 1 --block-size 16",
     )
     assert report["command"].startswith("rlt-hal bench latency")
     assert _positive(report["floors"]["bandwidth"]["read_Bps"])
@@ -69,19 +59,7 @@ def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
 def test_bench_baseline_compares_with_the_hf_module_reference(tmp_path):
     report, table = _bench(
         tmp_path,
-        "baseline",
-        "--preset",
-        "tiny",
-        "--input-len",
-        "8",
-        "--output-len",
-        "3",
-        "--runs",
-        "1",
-        "--concurrency",
-        "3",
-        "--block-size",
-        "16",
+        "baseline --preset tiny --input-len 8 --output-len 3 --runs 1 --concurrency 3 --block-size 16",
     )
     assert set(report["levels"]) == {"c1", "c3"}
     for level in report["levels"].values():
@@ -96,17 +74,9 @@ def test_bench_serve_drives_a_real_server_with_zero_errors(tmp_path, tiny_ckpt):
     try:
         report, table = _bench(
             tmp_path,
-            "serve",
+            "serve --concurrency 1,4 --num-requests 6 --input-len 8 --output-len 5",
             "--url",
             server.base + "/v1",
-            "--concurrency",
-            "1,4",
-            "--num-requests",
-            "6",
-            "--input-len",
-            "8",
-            "--output-len",
-            "5",
         )
     finally:
         server.stop()
@@ -122,19 +92,7 @@ def test_bench_serve_drives_a_real_server_with_zero_errors(tmp_path, tiny_ckpt):
 def test_bench_determinism_reports_the_cost_of_the_mode(tmp_path):
     report, table = _bench(
         tmp_path,
-        "determinism",
-        "--preset",
-        "tiny",
-        "--input-len",
-        "8",
-        "--output-len",
-        "3",
-        "--runs",
-        "1",
-        "--concurrency",
-        "2",
-        "--block-size",
-        "16",
+        "determinism --preset tiny --input-len 8 --output-len 3 --runs 1 --concurrency 2 --block-size 16",
     )
     assert set(report["levels"]) == {"c1", "c2"}
     for r in report["levels"].values():
