@@ -56,12 +56,21 @@ def eager_attention(
     return o.transpose(1, 2).contiguous()
 
 
-def paged_eager_attention(
-    query: torch.Tensor, plane: int, kv: KVStore, meta: AttentionMetadata, scaling: float
+def paged_attention(
+    query: torch.Tensor,
+    plane: int,
+    kv: KVStore,
+    meta: AttentionMetadata,
+    scaling: float,
+    attend=eager_attention,
 ) -> torch.Tensor:
-    """Per-request HF-order attention over K/V gathered from ``plane`` of the paged cache."""
-    _, heads, n, d = query.shape
-    out = query.new_empty(n, heads * d)
+    """Per-request attention over K/V gathered from ``plane`` of the paged cache.
+
+    ``attend(q, k, v, scaling, context_len) -> [1, S, H, d]`` does the arithmetic for one
+    request (HF eager order by default); this loop owns paging, slicing and determinism.
+    """
+    _, heads, num_tokens, d = query.shape
+    out = query.new_empty(num_tokens, heads * d)
     for seq in meta.seqs:
         start, q_len = seq.query_start, seq.query_len
         q = query[:, :, start : start + q_len, :]
@@ -71,12 +80,17 @@ def paged_eager_attention(
             # 0..p, whatever chunk or batch the row arrived in.
             for i in range(q_len):
                 n = seq.context_len + i + 1
-                o = eager_attention(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], scaling, n - 1)
+                o = attend(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], scaling, n - 1)
                 out[start + i] = o.view(heads * d)
             continue
-        o = eager_attention(q, k, v, scaling, seq.context_len)
+        o = attend(q, k, v, scaling, seq.context_len)
         out[start : start + q_len] = o.view(q_len, heads * d)
     return out
+
+
+def paged_eager_attention(query, plane, kv, meta, scaling) -> torch.Tensor:
+    """HF-order eager attention over the paged cache (what every ``*_eager`` backend runs)."""
+    return paged_attention(query, plane, kv, meta, scaling, eager_attention)
 
 
 class EagerBackend(AttentionBackend):

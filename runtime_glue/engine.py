@@ -26,6 +26,14 @@ from runtime_glue.sampling import SamplingParams, sample
 logger = logging.getLogger(__name__)
 
 
+class InvalidRequest(ValueError):
+    """A request that could never run; ``param`` names the field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @attrs.frozen
 class EngineConfig:
     max_num_seqs: int = 16
@@ -96,28 +104,39 @@ class Engine:
     def pool_tokens(self) -> int:
         return self.allocator.num_blocks * self.allocator.block_size
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError for a request that could never run here ("never", not "not now")."""
-        need = num_prompt_tokens + max_tokens
+    def validate(self, prompt_token_ids: list[int], max_tokens: int) -> None:
+        """Raise InvalidRequest for a request that could never run here ("never", not
+        "not now"). Every entry point (engine, LLM, server) checks through this one method."""
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise InvalidRequest(
+                f"token ids {bad[:5]} are outside the vocabulary; they must be in [0, {vocab})",
+                "prompt",
+            )
+        n = len(prompt_token_ids)
+        need = n + max_tokens
         if need > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {need} "
-                f"exceeds the model's maximum length of {self.max_model_len} tokens"
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {need} "
+                f"exceeds the model's maximum length of {self.max_model_len} tokens",
+                "max_tokens",
             )
         if need > self.pool_tokens:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need} "
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} "
                 f"tokens of KV cache, but the whole pool holds {self.pool_tokens} tokens "
-                f"({self.allocator.num_blocks} blocks of {self.allocator.block_size})"
+                f"({self.allocator.num_blocks} blocks of {self.allocator.block_size})",
+                "max_tokens",
             )
-        if (
-            self.config.prefill_chunk_size is None
-            and num_prompt_tokens > self.config.max_num_batched_tokens
-        ):
-            raise ValueError(
-                f"prompt of {num_prompt_tokens} tokens exceeds max_num_batched_tokens "
+        if self.config.prefill_chunk_size is None and n > self.config.max_num_batched_tokens:
+            raise InvalidRequest(
+                f"prompt of {n} tokens exceeds max_num_batched_tokens "
                 f"({self.config.max_num_batched_tokens}) with full prefill; raise "
-                "--max-num-batched-tokens or set --prefill-chunk-size"
+                "--max-num-batched-tokens or set --prefill-chunk-size",
+                "prompt",
             )
 
     def add_request(
@@ -130,16 +149,7 @@ class Engine:
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(
-                f"request {request_id!r}: token ids {bad[:5]} are outside the "
-                f"vocabulary [0, {vocab})"
-            )
-        self.check_fits(len(prompt_token_ids), params.max_tokens)
+        self.validate(prompt_token_ids, params.max_tokens)
         req = Request(
             request_id,
             [int(t) for t in prompt_token_ids],

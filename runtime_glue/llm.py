@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import attrs
@@ -13,7 +12,7 @@ from hal.registry import Registry, default_registry
 from hal.types import KVLayout, check_block_size
 from runtime_glue.checkpoint import load_weights
 from runtime_glue.config import OuroConfig
-from runtime_glue.engine import Engine, EngineConfig
+from runtime_glue.engine import Engine, EngineConfig, InvalidRequest
 from runtime_glue.kv_manager import BlockAllocator
 from runtime_glue.model import OuroModel
 from runtime_glue.sampling import SamplingParams
@@ -36,14 +35,9 @@ class CompletionOutput:
 
 def default_model_dir() -> Path:
     """The embedded default: a random toy checkpoint written once into a cache directory."""
-    from runtime_glue.toy import preset_config, write_checkpoint
+    from runtime_glue.toy import cached_checkpoint
 
-    cache = Path(os.environ.get("RLT_HAL_CACHE", Path.home() / ".cache" / "rlt-hal"))
-    path = cache / f"toy-{DEFAULT_TOY_PRESET}-seed0"
-    if not (path / "config.json").is_file():
-        logger.warning("writing the embedded toy checkpoint to %s", path)
-        write_checkpoint(path, preset_config(DEFAULT_TOY_PRESET), seed=0)
-    return path
+    return cached_checkpoint(DEFAULT_TOY_PRESET)
 
 
 def pool_blocks(
@@ -144,10 +138,13 @@ class LLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         encoded = [self.encode(p) for p in prompts]
-        for i, ids in enumerate(encoded):
+        for i, ids in enumerate(encoded):  # all checked before any is queued
             if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            self.engine.check_fits(len(ids), params.max_tokens)
+                raise InvalidRequest(f"prompt {i} is empty", "prompt")
+            try:
+                self.engine.validate(ids, params.max_tokens)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"prompt {i}: {exc}", exc.param) from None
         ids_by_request = {}
         for ids in encoded:
             rid = f"llm-{self._next_id}"

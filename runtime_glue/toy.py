@@ -7,7 +7,9 @@ enough that greedy decoding does not collapse into one repeated token.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +17,8 @@ from safetensors.torch import save_file
 
 from runtime_glue.checkpoint import INDEX_FILE, expected_tensors
 from runtime_glue.config import OuroConfig
+
+logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -153,6 +157,17 @@ def write_checkpoint(out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
     write_tokenizer(out)
     return out
+
+
+def cached_checkpoint(preset: str, seed: int = 0) -> Path:
+    """A preset's random checkpoint in ``$RLT_HAL_CACHE`` (default ~/.cache/rlt-hal), written
+    on first use: the embedded default model and the benchmark presets."""
+    cache = Path(os.environ.get("RLT_HAL_CACHE", Path.home() / ".cache" / "rlt-hal"))
+    path = cache / f"toy-{preset}-seed{seed}"
+    if not (path / "config.json").is_file():
+        logger.warning("writing the random %s checkpoint to %s", preset, path)
+        write_checkpoint(path, preset_config(preset), seed=seed)
+    return path
 
 
 def write_tokenizer(out: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hal.eager import EagerBackend, TensorKVStore, causal_mask, repeat_kv
+from hal.eager import EagerBackend, TensorKVStore, causal_mask, paged_attention, repeat_kv
 from hal.interfaces import AttentionBackend, Device, Driver, Fence
 from hal.types import KVLayout
 
@@ -63,6 +63,16 @@ class CudaEagerBackend(EagerBackend):
     name = "cuda_eager"
 
 
+def sdpa_attention(q, k, v, scaling: float, context_len: int) -> torch.Tensor:
+    """One request through ``scaled_dot_product_attention``; returns ``[1, S, H, d]``."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    q_len = q.shape[2]
+    mask = causal_mask(q_len, context_len, q.dtype, q.device) if q_len > 1 else None
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return o.transpose(1, 2).contiguous()
+
+
 class CudaSdpaBackend(AttentionBackend):
     """``scaled_dot_product_attention`` over gathered pages: fast, not bit-exact with HF."""
 
@@ -70,21 +80,7 @@ class CudaSdpaBackend(AttentionBackend):
     hf_exact = False
 
     def forward(self, query, plane, kv, meta, scaling):
-        _, heads, n, d = query.shape
-        out = query.new_empty(n, heads * d)
-        for seq in meta.seqs:
-            s, q_len = seq.query_start, seq.query_len
-            k, v = kv.gather(plane, seq.kv_slots)
-            n_rep = heads // k.shape[1]
-            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-            mask = None
-            if q_len > 1:
-                mask = causal_mask(q_len, seq.context_len, query.dtype, query.device)
-            o = F.scaled_dot_product_attention(
-                query[:, :, s : s + q_len], k, v, attn_mask=mask, scale=scaling
-            )
-            out[s : s + q_len] = o.transpose(1, 2).reshape(q_len, heads * d)
-        return out
+        return paged_attention(query, plane, kv, meta, scaling, sdpa_attention)
 
 
 class CudaDriver(Driver):

@@ -12,16 +12,12 @@ import types
 
 import torch
 
+from drivers.npu.emulation import emulation_requested
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import Device, Driver, Fence
 from hal.types import KVLayout
 
-EMULATE_ENV_VAR = "RLT_HAL_NPU_EMULATE"
 CANN_HINT = "source /usr/local/Ascend/ascend-toolkit/set_env.sh (or your CANN install's set_env.sh)"
-
-
-def emulation_requested() -> bool:
-    return os.environ.get(EMULATE_ENV_VAR, "").strip().lower() in ("1", "true", "yes")
 
 
 def import_torch_npu() -> types.SimpleNamespace:

@@ -11,8 +11,11 @@ a test failure instead of passing by luck.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+EMULATE_ENV_VAR = "RLT_HAL_NPU_EMULATE"
 SCATTER_ND_DTYPES = (
     torch.bfloat16,
     torch.float16,
@@ -21,6 +24,11 @@ SCATTER_ND_DTYPES = (
     torch.int64,
     torch.int8,
 )
+
+
+def emulation_requested() -> bool:
+    """Whether ``RLT_HAL_NPU_EMULATE`` asks for the emulation (1, true or yes)."""
+    return os.environ.get(EMULATE_ENV_VAR, "").strip().lower() in ("1", "true", "yes")
 
 
 class EmulatedEvent:

@@ -1,13 +1,13 @@
 """Entry point ``rlt_hal: npu``. The probe looks for torch_npu without importing it."""
 
 import importlib.util
-import os
 
+from drivers.npu.emulation import emulation_requested
 from hal import DriverSpec, ProbeResult, hookimpl
 
 
 def _probe() -> ProbeResult:
-    if os.environ.get("RLT_HAL_NPU_EMULATE", "").strip().lower() in ("1", "true", "yes"):
+    if emulation_requested():
         return ProbeResult(
             True,
             "emulated: RLT_HAL_NPU_EMULATE=1 runs torch_npu's operations "

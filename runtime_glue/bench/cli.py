@@ -58,10 +58,10 @@ def add_parsers(sub) -> None:
 
 
 def _llm(args, tokens: int):
-    from runtime_glue.bench.engine_bench import preset_dir
     from runtime_glue.llm import LLM
+    from runtime_glue.toy import cached_checkpoint
 
-    model = args.model or preset_dir(args.preset)
+    model = args.model or cached_checkpoint(args.preset)
     blocks = -(-tokens // args.block_size) + 1
     return LLM(
         model,

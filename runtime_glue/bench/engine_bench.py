@@ -7,7 +7,6 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -18,16 +17,6 @@ from runtime_glue.sampling import SamplingParams
 
 def summary(values: list[float]) -> dict:
     return {"p50": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def preset_dir(preset: str) -> Path:
-    from runtime_glue.toy import preset_config, write_checkpoint
-
-    cache = Path(os.environ.get("RLT_HAL_CACHE", Path.home() / ".cache" / "rlt-hal"))
-    path = cache / f"bench-{preset}-seed0"
-    if not (path / "config.json").is_file():
-        write_checkpoint(path, preset_config(preset), seed=0)
-    return path
 
 
 def machine() -> dict:

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime_glue.engine import InvalidRequest
 from runtime_glue.request import RequestOutput
 from runtime_glue.server.engine_loop import EngineLoop
 from runtime_glue.server.protocol import (
@@ -76,15 +77,10 @@ class Server:
             raise ApiError(400, str(exc), param=exc.param) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        vocab = self.llm.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         try:
-            self.llm.engine.check_fits(len(prompt_ids), params.max_tokens)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="max_tokens") from None
+            self.llm.engine.validate(prompt_ids, params.max_tokens)
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         return params
 
     def completion_ids(self, body: CompletionRequest) -> list[int]:
@@ -191,20 +187,16 @@ def _install_routes(app: FastAPI, server: Server) -> None:
             ],
         }
 
+    async def handle(body, request: Request, ids_of, respond, prefix: str):
+        server.check_auth(request)
+        ids = ids_of(body)
+        params = server.prepare(body, ids)
+        return await respond(server, body, ids, params, request, f"{prefix}-{uuid.uuid4().hex}")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        server.check_auth(request)
-        ids = server.completion_ids(body)
-        params = server.prepare(body, ids)
-        return await completion_response(
-            server, body, ids, params, request, f"cmpl-{uuid.uuid4().hex}"
-        )
+        return await handle(body, request, server.completion_ids, completion_response, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        server.check_auth(request)
-        ids = server.chat_ids(body)
-        params = server.prepare(body, ids)
-        return await chat_response(
-            server, body, ids, params, request, f"chatcmpl-{uuid.uuid4().hex}"
-        )
+        return await handle(body, request, server.chat_ids, chat_response, "chatcmpl")
