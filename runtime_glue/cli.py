@@ -184,7 +184,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     if args.model is None:
         print(RANDOM_BANNER, file=sys.stderr)
     a = side(args.device, args.attention_backend, None)
-    b = side(args.against, args.against_backend, args.prefill_chunk_size)
+    b = side(args.against or args.device, args.against_backend, args.prefill_chunk_size)
 
     def label(llm, chunk):
         mode = f"chunk={chunk}" if chunk else "full-prefill"

@@ -104,3 +104,33 @@ def test_the_cli_reports_json_and_exits_zero_when_equal(tiny_ckpt):
     report = json.loads(proc.stdout)
     assert report["equal"] is True and report["b"].startswith("npu (emulated")
     assert len(report["tokens_a"]) == 4
+
+
+def test_without_against_side_b_runs_on_side_as_device(tiny_ckpt):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime_glue.cli",
+            "parity",
+            "--model",
+            str(tiny_ckpt),
+            "--device",
+            "npu",
+            "--prefill-chunk-size",
+            "2",
+            "--prompt-ids",
+            "5,6,7,8,9",
+            "--max-tokens",
+            "2",
+            "--block-size",
+            "16",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "RLT_HAL_NPU_EMULATE": "1"},
+    )
+    report = json.loads(proc.stdout)
+    assert report["a"].startswith("npu (emulated") and report["b"].startswith("npu (emulated")
+    assert report["b"].endswith("/chunk=2")
