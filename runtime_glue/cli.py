@@ -202,12 +202,13 @@ def cmd_parity(args: argparse.Namespace) -> int:
     return 0 if report.equal else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlt-hal", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_drivers(sub) -> None:
     p = sub.add_parser("drivers", help="list drivers and whether each can run here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_drivers)
+
+
+def _add_toy_checkpoint(sub) -> None:
     p = sub.add_parser("toy-checkpoint", help="write a small random Ouro checkpoint")
     p.add_argument("dir")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "ouro-1.4b-shape"])
@@ -215,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loops", type=int, default=4, help="total_ut_steps")
     p.add_argument("--shards", type=int, default=1)
     p.set_defaults(func=cmd_toy_checkpoint)
+
+
+def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate for one prompt")
     _add_engine_args(p)
     src = p.add_mutually_exclusive_group(required=True)
@@ -226,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
+
+
+def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -245,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
     )
     p.set_defaults(func=cmd_serve)
+
+
+def _add_parity(sub) -> None:
     p = sub.add_parser(
         "parity",
         help="run one request two ways and locate the first difference (exit 1 when they differ)",
@@ -263,14 +273,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=64)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_parity)
-    from runtime_glue.bench.cli import add_parsers
 
-    add_parsers(sub)
+
+def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate from the embedded default checkpoint")
     _add_engine_args(p)
     p.add_argument("--prompt", default="The quick brown fox")
     p.add_argument("--max-tokens", type=int, default=32)
     p.set_defaults(func=cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from runtime_glue.bench.cli import add_parsers
+
+    parser = argparse.ArgumentParser(prog="rlt-hal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_drivers(sub)
+    _add_toy_checkpoint(sub)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_parity(sub)
+    add_parsers(sub)
+    _add_run(sub)
     return parser
 
 
