@@ -260,3 +260,13 @@ def test_auto_never_picks_the_emulated_npu(monkeypatch):
         sel.spec.name == "cpu"
         and ("npu", "emulated drivers are used only when chosen explicitly") in sel.skipped
     )
+
+
+def test_device_npu_colon_one_selects_index_one(monkeypatch):
+    from hal.registry import Registry
+
+    monkeypatch.setenv("RLT_HAL_NPU_EMULATE", "1")
+    driver = Registry().create("npu:1")
+    assert driver.device.index == 1 and driver.device.emulated
+    with pytest.raises(RuntimeError, match=r"npu:1 requested but 1 device\(s\) are visible"):
+        driver.device.initialize()  # the emulation exposes one device, so index 1 is refused
