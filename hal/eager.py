@@ -67,7 +67,8 @@ def paged_attention(
     """Per-request attention over K/V gathered from ``plane`` of the paged cache.
 
     ``attend(q, k, v, scaling, context_len) -> [1, S, H, d]`` does the arithmetic for one
-    request (HF eager order by default); this loop owns paging, slicing and determinism.
+    request (HF eager order by default); this loop owns paging and slicing. In deterministic
+    mode every backend runs ``row_invariant_attention`` instead.
     """
     _, heads, num_tokens, d = query.shape
     out = query.new_empty(num_tokens, heads * d)
@@ -76,16 +77,33 @@ def paged_attention(
         q = query[:, :, start : start + q_len, :]
         k, v = kv.gather(plane, seq.kv_slots)
         if meta.deterministic:
-            # Each row as a decode step would compute it: one query over exactly positions
-            # 0..p, whatever chunk or batch the row arrived in.
-            for i in range(q_len):
-                n = seq.context_len + i + 1
-                o = attend(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], scaling, n - 1)
-                out[start + i] = o.view(heads * d)
+            row_invariant_attention(q, k, v, scaling, seq.context_len, out[start : start + q_len])
             continue
         o = attend(q, k, v, scaling, seq.context_len)
         out[start : start + q_len] = o.view(q_len, heads * d)
     return out
+
+
+def row_invariant_attention(q, k, v, scaling: float, context_len: int, out: torch.Tensor) -> None:
+    """Deterministic mode: each query row as a decode step computes it, into ``out [S, H*d]``.
+
+    The row at position ``p`` is computed alone against exactly positions ``0..p``, in fp32,
+    with operands whose shapes and memory layouts depend on ``p`` only (never on the chunk or
+    batch the row arrived in): ``q_p [kv_heads, n_rep, d]`` contiguous, K/V rows of ``d``
+    contiguous elements. The fp32 upcast happens once per request, so the per-row work is
+    two small matmuls and a softmax; GQA groups query heads instead of materialising
+    ``repeat_kv``. The bits therefore do not depend on chunking or batching, but they are
+    not HF's (which runs bf16 matmuls); see docs/determinism.md.
+    """
+    _, heads, q_len, d = q.shape
+    kv_heads = k.shape[1]
+    qf = (q[0].transpose(0, 1).float() * scaling).reshape(q_len, kv_heads, heads // kv_heads, d)
+    kt = k[0].float().transpose(1, 2)  # [kv_heads, d, kv_len], a view
+    vf = v[0].float()  # [kv_heads, kv_len, d]
+    for i in range(q_len):
+        n = context_len + i + 1
+        p = torch.softmax(torch.matmul(qf[i], kt[:, :, :n]), dim=-1)
+        out[i] = torch.matmul(p, vf[:, :n]).view(heads * d)
 
 
 def paged_eager_attention(query, plane, kv, meta, scaling) -> torch.Tensor:

@@ -106,6 +106,9 @@ class AttentionBackend(abc.ABC):
     # True when the backend honours ``meta.deterministic`` (row results independent of the
     # step's other rows and of how a prompt was chunked).
     supports_deterministic: ClassVar[bool] = False
+    # True when deterministic mode was measured to cost next to nothing on this backend, so
+    # the runtime turns it on unless told otherwise (see docs/determinism.md).
+    deterministic_by_default: ClassVar[bool] = False
 
     @abc.abstractmethod
     def forward(

@@ -29,8 +29,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk-size", type=int)
     p.add_argument(
         "--deterministic",
-        action="store_true",
-        help="bit-identical results whatever the chunk size or batch mix",
+        action=argparse.BooleanOptionalAction,
+        help="bit-identical results whatever the chunk size or batch mix; --no-deterministic "
+        "keeps HF's own bits for a lone request (default: the backend's choice, on for cpu)",
     )
 
 
@@ -52,7 +53,7 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
         progress=progress,
         deterministic=args.deterministic,
     )
-    print(f"{llm.driver.label}: {llm.kv_summary}", file=sys.stderr)
+    print(f"{llm.driver.label}, {llm.mode} mode: {llm.kv_summary}", file=sys.stderr)
     return llm
 
 
@@ -179,6 +180,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             prefill_chunk_size=chunk,
+            deterministic=args.deterministic,
         )
 
     if args.model is None:
@@ -271,6 +273,11 @@ def _add_parity(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--num-blocks", type=int, default=64)
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="both sides in deterministic mode (default: both HF-exact, whatever the device)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_parity)
 

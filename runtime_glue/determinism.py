@@ -28,17 +28,17 @@ def row_invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def choose_linear(weights: list[torch.Tensor], norm):
+def choose_linear(weights: list[torch.Tensor], norm, allow_padding: bool = True):
     """The cheapest row-invariant linear for these weight shapes on their device.
 
     Plain ``F.linear`` when its kernels are already row-invariant (padding would double the
-    cost of one-row decode calls), else the padded variant; RuntimeError when neither is, or
-    when ``norm`` is not.
+    cost of one-row decode calls), else the padded variant if allowed; RuntimeError when
+    neither is, or when ``norm`` is not.
     """
     x = _inputs(weights[0].shape[1], weights[0])
     _check(norm, x, "rms_norm")
     failure = None
-    for linear in (F.linear, row_invariant_linear):
+    for linear in (F.linear, row_invariant_linear)[: 2 if allow_padding else 1]:
         try:
             check_row_invariance(weights, linear)
             return linear

@@ -78,7 +78,7 @@ class LLM:
         registry: Registry | None = None,
         driver_options: dict | None = None,
         progress: bool = False,
-        deterministic: bool = False,
+        deterministic: bool | None = None,
     ) -> None:
         if dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {dtype!r}")
@@ -99,8 +99,7 @@ class LLM:
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
         logger.info("%s", self.kv_summary)
         self.model = OuroModel(cfg, weights, backend, self.kv_store)
-        if deterministic:
-            self.model.enable_deterministic()
+        self._set_deterministic(deterministic, backend)
         self.engine = Engine(
             self.model,
             self.driver.device,
@@ -110,6 +109,22 @@ class LLM:
             tokenizer=self.tokenizer,
         )
         self._next_id = 0
+
+    def _set_deterministic(self, wanted: bool | None, backend) -> None:
+        """True: the mode or an error. None: the backend's default, off if the check fails."""
+        default = backend.supports_deterministic and backend.deterministic_by_default
+        if wanted is False or (wanted is None and not default):
+            return
+        try:
+            self.model.enable_deterministic(allow_padding=wanted is True)
+        except RuntimeError as exc:
+            if wanted:
+                raise
+            logger.warning("deterministic mode is off by default here: %s", exc)
+
+    @property
+    def mode(self) -> str:
+        return "deterministic" if self.model.deterministic else "hf-exact"
 
     @property
     def kv_summary(self) -> str:

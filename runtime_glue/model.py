@@ -108,8 +108,11 @@ class OuroModel:
         self.deterministic = False
         self.linear = F.linear
 
-    def enable_deterministic(self) -> None:
-        """Row-invariant execution (see runtime_glue.determinism); verified before enabling."""
+    def enable_deterministic(self, allow_padding: bool = True) -> None:
+        """Row-invariant execution (see runtime_glue.determinism); verified before enabling.
+
+        ``allow_padding=False`` refuses the padded linear (it doubles one-row decode calls).
+        """
         from runtime_glue.determinism import choose_linear
 
         if not self.backend.supports_deterministic:
@@ -121,6 +124,7 @@ class OuroModel:
         self.linear = choose_linear(
             [w.q, w.k, w.v, w.o, w.gate, w.up, w.down, self.lm_head],
             lambda x: rms_norm(x, norm_w, eps),
+            allow_padding,
         )
         self.deterministic = True
 

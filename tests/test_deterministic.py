@@ -1,6 +1,7 @@
 """Deterministic mode: chunk size and batch mix never change a request's tokens or logits.
 
-With the mode off the same comparisons are allowed to differ in the last bits (within the
+The mode is the default on cpu (its measured cost is within noise there); with it off, the
+HF-exact mode, the same comparisons are allowed to differ in the last bits (within the
 engine's stated tolerance); ``rlt-hal parity`` locates where, and docs/determinism.md records
 what was measured.
 """
@@ -77,8 +78,8 @@ def test_with_the_mode_off_chunking_stays_within_the_engines_tolerance(checkpoin
 
     name = "gqa-h256-d32-L3-T4"
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
-    full = LLM(ckpt, block_size=16, num_blocks=64)
-    chunked = LLM(ckpt, block_size=16, num_blocks=64, prefill_chunk_size=1)
+    full = LLM(ckpt, block_size=16, num_blocks=64, deterministic=False)
+    chunked = LLM(ckpt, block_size=16, num_blocks=64, prefill_chunk_size=1, deterministic=False)
     report = compare(full, chunked, prompt_of(37, seed=1), max_tokens=10)
     print(report.describe())  # where the bits part (measured: attention, see the docs)
     assert report.max_logit_diff <= LOGIT_TOLERANCE
@@ -90,6 +91,40 @@ def test_a_backend_without_deterministic_support_is_refused(tiny_ckpt, monkeypat
     monkeypatch.setattr(CpuEagerBackend, "supports_deterministic", False)
     with pytest.raises(ValueError, match="'cpu_eager' does not support deterministic mode"):
         LLM(tiny_ckpt, deterministic=True)
+
+
+def test_the_mode_is_the_default_only_where_its_backend_measured_it_cheap(tiny_ckpt, monkeypatch):
+    assert LLM(tiny_ckpt, device="cpu", num_blocks=4).mode == "deterministic"
+    assert LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=False).mode == "hf-exact"
+    monkeypatch.setenv("RLT_HAL_NPU_EMULATE", "1")
+    assert LLM(tiny_ckpt, device="npu", num_blocks=4).mode == "hf-exact"
+    assert LLM(tiny_ckpt, device="npu", num_blocks=4, deterministic=True).mode == "deterministic"
+
+
+def _gemv_differs(monkeypatch):
+    """Test double for a device whose one-row linear rounds differently from its GEMM."""
+    import torch.nn.functional as F
+
+    real = F.linear
+
+    def gemv_differs(x, w, bias=None):
+        out = real(x, w)
+        return out + 1 if x.shape[0] == 1 else out
+
+    monkeypatch.setattr(F, "linear", gemv_differs)
+
+
+def test_a_default_mode_that_fails_its_check_falls_back_to_hf_exact(tiny_ckpt, monkeypatch, caplog):
+    from runtime_glue import determinism
+
+    _gemv_differs(monkeypatch)
+    # By default padding is not worth it (it doubles one-row calls): the mode stays off.
+    assert LLM(tiny_ckpt, device="cpu", num_blocks=4).mode == "hf-exact"
+    assert "deterministic mode is off by default here" in caplog.text
+    assert "linear [" in caplog.text
+    # Asked for explicitly, the mode pays for the padding.
+    llm = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=True)
+    assert llm.mode == "deterministic" and llm.model.linear is determinism.row_invariant_linear
 
 
 def test_kernels_that_are_not_row_invariant_are_detected():
@@ -105,17 +140,9 @@ def test_kernels_that_are_not_row_invariant_are_detected():
 
 
 def test_a_linear_that_is_only_invariant_when_padded_gets_the_padding(monkeypatch):
-    import torch.nn.functional as F
-
     from runtime_glue import determinism
 
-    real = F.linear
-
-    def gemv_differs(x, w, bias=None):  # a kernel whose one-row path rounds differently
-        out = real(x, w)
-        return out + 1 if x.shape[0] == 1 else out
-
-    monkeypatch.setattr(F, "linear", gemv_differs)
+    _gemv_differs(monkeypatch)
     w = torch.randn(8, 16).bfloat16()
     chosen = determinism.choose_linear([w], lambda x: x * 2)
     assert chosen is determinism.row_invariant_linear

@@ -52,13 +52,14 @@ def test_a_planted_difference_is_reported_at_its_loop_layer_and_op(
     tiny_ckpt, tiny_config, loop, layer, position
 ):
     plane = loop * tiny_config.num_hidden_layers + layer
-    a = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=8)
+    a = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=8, deterministic=False)
     b = LLM(
         tiny_ckpt,
         device="perturbed",
         block_size=16,
         num_blocks=8,
         registry=_registry(plane, position),
+        deterministic=False,
     )
     report = compare(a, b, prompt_of(10, seed=3), max_tokens=6)
     assert not report.equal
@@ -68,8 +69,8 @@ def test_a_planted_difference_is_reported_at_its_loop_layer_and_op(
 
 
 def test_identical_drivers_are_reported_equal(tiny_ckpt, driver_name):
-    a = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=8)
-    b = LLM(tiny_ckpt, device=driver_name, block_size=16, num_blocks=8)
+    a = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=8, deterministic=False)
+    b = LLM(tiny_ckpt, device=driver_name, block_size=16, num_blocks=8, deterministic=False)
     report = compare(a, b, prompt_of(10, seed=3), max_tokens=6)
     assert report.equal and report.first_divergence is None
     assert report.first_token_diff is None and report.max_logit_diff == 0.0

@@ -18,7 +18,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device")
     p.add_argument("--attention-backend")
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction)
     p.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
 
 
