@@ -7,12 +7,18 @@ or raise NotImplementedError. Nothing here imports a driver or the runtime.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from hal.types import AttentionMetadata, KVLayout
+
+# Kernels called outside aten (ctypes, custom launchers) run inside
+# ``torch.profiler.record_function(KERNEL_PREFIX + name)``, so that benchmarks count their time
+# as kernel time rather than Python overhead.
+KERNEL_PREFIX = "rlt_kernel::"
 
 
 class Fence(abc.ABC):
@@ -156,6 +162,23 @@ class Driver:
 
     def create_kv_store(self, layout: KVLayout) -> KVStore:
         raise NotImplementedError(f"driver {self.name!r} does not provide a KV store")
+
+    # Names of the matmul kernels ``linear`` offers besides "torch" (``F.linear``, HF-exact).
+    linear_kernels: ClassVar[tuple[str, ...]] = ()
+
+    def linear(self, name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The projection kernel ``name``: ``f(x [..., K], w [N, K]) -> [..., N]``.
+
+        Drivers override this for the names in ``linear_kernels``. Such kernels need not be
+        HF-exact, but must pass the conformance kit's float64 bound; they may raise
+        RuntimeError saying what to install when they cannot run here.
+        """
+        if name == "torch":
+            return F.linear
+        known = ", ".join(("torch", *self.linear_kernels))
+        raise ValueError(
+            f"linear kernel {name!r} is not offered by driver {self.name!r}; choose one of: {known}"
+        )
 
     def __repr__(self) -> str:
         return f"Driver({self.name!r}, backends={sorted(self.backends)})"

@@ -20,6 +20,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--device", help="cpu, cuda[:N], npu[:N] or auto (default: $VLLM_RLT_DEVICE or auto)"
     )
     p.add_argument("--attention-backend", help="e.g. cpu_eager, cuda_sdpa, ascend_eager")
+    p.add_argument(
+        "--linear",
+        default="torch",
+        help="projection kernel: torch (F.linear, HF-exact) or one the driver offers, e.g. "
+        "avx2 on cpu (not HF-exact)",
+    )
     p.add_argument("--block-size", type=int, default=128)
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int)
@@ -52,6 +58,7 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
         prefill_chunk_size=args.prefill_chunk_size,
         progress=progress,
         deterministic=args.deterministic,
+        linear=args.linear,
     )
     print(f"{llm.driver.label}, {llm.mode} mode: {llm.kv_summary}", file=sys.stderr)
     return llm

@@ -21,24 +21,32 @@ import torch.nn.functional as F
 ROW_COUNTS = (1, 2, 3, 5, 8, 13, 16)
 
 
-def row_invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` that never makes a one-row call (one-row calls take the gemv path)."""
-    if x.shape[0] == 1:
-        return F.linear(x.expand(2, -1), w)[:1]
-    return F.linear(x, w)
+def padded(linear):
+    """``linear`` that never makes a one-row call (one-row calls take the gemv path)."""
+
+    def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return linear(x.expand(2, -1), w)[:1]
+        return linear(x, w)
+
+    return padded_linear
 
 
-def choose_linear(weights: list[torch.Tensor], norm, allow_padding: bool = True):
-    """The cheapest row-invariant linear for these weight shapes on their device.
+row_invariant_linear = padded(F.linear)
 
-    Plain ``F.linear`` when its kernels are already row-invariant (padding would double the
-    cost of one-row decode calls), else the padded variant if allowed; RuntimeError when
-    neither is, or when ``norm`` is not.
+
+def choose_linear(weights: list[torch.Tensor], norm, allow_padding: bool = True, base=F.linear):
+    """The cheapest row-invariant form of the ``base`` kernel for these weight shapes.
+
+    ``base`` itself when it is already row-invariant (padding would double the cost of
+    one-row decode calls), else its padded variant if allowed; RuntimeError when neither is,
+    or when ``norm`` is not.
     """
     x = _inputs(weights[0].shape[1], weights[0])
     _check(norm, x, "rms_norm")
     failure = None
-    for linear in (F.linear, row_invariant_linear)[: 2 if allow_padding else 1]:
+    pad = row_invariant_linear if base is F.linear else padded(base)
+    for linear in (base, pad)[: 2 if allow_padding else 1]:
         try:
             check_row_invariance(weights, linear)
             return linear

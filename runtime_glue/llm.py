@@ -79,6 +79,7 @@ class LLM:
         driver_options: dict | None = None,
         progress: bool = False,
         deterministic: bool | None = None,
+        linear: str = "torch",
     ) -> None:
         if dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {dtype!r}")
@@ -99,6 +100,8 @@ class LLM:
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
         logger.info("%s", self.kv_summary)
         self.model = OuroModel(cfg, weights, backend, self.kv_store)
+        self.linear = linear
+        self.model.linear = self.driver.linear(linear)
         self._set_deterministic(deterministic, backend)
         self.engine = Engine(
             self.model,
@@ -124,7 +127,12 @@ class LLM:
 
     @property
     def mode(self) -> str:
-        return "deterministic" if self.model.deterministic else "hf-exact"
+        """The contract kept: "deterministic", "hf-exact", or "fast" (neither)."""
+        if self.model.deterministic:
+            return "deterministic"
+        if self.linear == "torch" and self.model.backend.hf_exact:
+            return "hf-exact"
+        return "fast"
 
     @property
     def kv_summary(self) -> str:

@@ -106,7 +106,8 @@ class OuroModel:
         self.scaling = d**-0.5
         self.recorder: Recorder | None = None
         self.deterministic = False
-        self.linear = F.linear
+        # F.linear, or a driver's kernel (LLM(linear=...)), or its row-invariant form.
+        self.linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
 
     def enable_deterministic(self, allow_padding: bool = True) -> None:
         """Row-invariant execution (see runtime_glue.determinism); verified before enabling.
@@ -125,6 +126,7 @@ class OuroModel:
             [w.q, w.k, w.v, w.o, w.gate, w.up, w.down, self.lm_head],
             lambda x: rms_norm(x, norm_w, eps),
             allow_padding,
+            base=self.linear,
         )
         self.deterministic = True
 

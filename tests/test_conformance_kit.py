@@ -67,11 +67,12 @@ def test_the_example_driver_is_selected_with_vllm_rlt_device(tiny_ckpt):
 def test_the_example_driver_passes_the_kit():
     proc = _kit("acme")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "10 passed" in proc.stdout
+    assert "11 passed" in proc.stdout
 
 
 BROKEN = '''
 import torch
+import torch.nn.functional as F
 from hal import DriverSpec, ProbeResult, hookimpl
 from hal.eager import EagerBackend, TensorKVStore, eager_attention
 from drivers.cpu.driver import CpuDevice, CpuDriver
@@ -92,14 +93,24 @@ class LeakyBackend(EagerBackend):
         return out
 
 
+class LeakyDriver(CpuDriver):
+    """Also offers a projection kernel that drops K's tail beyond a multiple of 8."""
+    linear_kernels = ("tailless",)
+
+    def linear(self, name):
+        if name != "tailless":
+            return super().linear(name)
+        return lambda x, w: F.linear(x[:, : x.shape[1] // 8 * 8], w[:, : w.shape[1] // 8 * 8])
+
+
 @hookimpl
 def rlt_hal_register_drivers():
-    make = lambda **_: CpuDriver("leaky", CpuDevice(), {"leaky": LeakyBackend()}, "leaky")
+    make = lambda **_: LeakyDriver("leaky", CpuDevice(), {"leaky": LeakyBackend()}, "leaky")
     return [DriverSpec("leaky", lambda: ProbeResult(True), make)]
 '''
 
 
-def test_a_driver_that_leaks_future_positions_fails_the_kit(tmp_path):
+def test_a_driver_that_leaks_future_positions_or_drops_k_tails_fails_the_kit(tmp_path):
     (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
     dist = tmp_path / "leaky_driver-0.1.dist-info"
     dist.mkdir()
@@ -109,3 +120,4 @@ def test_a_driver_that_leaks_future_positions_fails_the_kit(tmp_path):
     proc = _kit("leaky", env)
     assert proc.returncode == 1
     assert "FAILED" in proc.stdout and "test_a_query_never_sees_later_positions" in proc.stdout
+    assert "tailless: 3x203 @ 203x37 exceeds the bound" in proc.stdout

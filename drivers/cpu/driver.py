@@ -38,8 +38,18 @@ class CpuEagerBackend(EagerBackend):
 
 
 class CpuDriver(Driver):
+    linear_kernels = ("avx2",)
+
     def create_kv_store(self, layout: KVLayout) -> TensorKVStore:
         return TensorKVStore(layout, self.device.torch_device)
+
+    def linear(self, name: str):
+        if name != "avx2":
+            return super().linear(name)
+        from drivers.cpu import fast_linear
+
+        fast_linear.load()  # fails here, with what to install, rather than mid-request
+        return fast_linear.bf16_linear
 
 
 def create(index: int | None = None) -> CpuDriver:

@@ -9,6 +9,19 @@ import torch
 ATTENTION_BOUND = 0.05
 
 
+def linear_f64(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x @ w.T`` in float64, and the elementwise bound a bf16 kernel must stay within.
+
+    A kernel that sums in fp32 and rounds once to bf16 is off by at most half a bf16 ulp of
+    the result (2^-9 relative, bounded by 2^-8) plus fp32 accumulation error, which
+    ``k * 2^-24 * sum|x * w|`` bounds whatever the summation order.
+    """
+    x64, w64 = x.double().cpu(), w.double().cpu()
+    exact = x64 @ w64.T
+    bound = exact.abs() * 2.0**-8 + x.shape[-1] * 2.0**-24 * (x64.abs() @ w64.abs().T)
+    return exact, bound
+
+
 def attention_f64(q, k, v, scaling: float, context_len: int) -> torch.Tensor:
     """q ``[1, H, S, d]``, k/v ``[1, Hkv, kv, d]`` -> ``[S, H * d]`` in float64, causal."""
     heads, s = q.shape[1], q.shape[2]

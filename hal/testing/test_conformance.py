@@ -10,7 +10,7 @@ import torch
 from hal.eager import paged_eager_attention
 from hal.interfaces import AttentionBackend, Device, Driver, Fence, KVStore
 from hal.registry import Registry
-from hal.testing.reference import ATTENTION_BOUND, attention_f64
+from hal.testing.reference import ATTENTION_BOUND, attention_f64, linear_f64
 from hal.types import AttentionMetadata, KVLayout, ProbeResult, SequenceSlice
 
 LAYOUT = KVLayout(num_planes=3, num_blocks=6, block_size=16, num_kv_heads=2, head_dim=32)
@@ -172,6 +172,24 @@ def test_a_query_never_sees_later_positions(driver):
 
 
 # -- end to end ----------------------------------------------------------------------------
+
+
+# -- projection kernels ------------------------------------------------------------------
+
+
+def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(11)
+    # Row counts of decode and prefill; N and K with tails that vectorised kernels must handle.
+    for name in ("torch", *driver.linear_kernels):
+        linear = driver.linear(name)
+        for m, n, k in ((1, 96, 64), (3, 37, 203), (40, 64, 256)):
+            x, w = _rand(m, k, gen=gen).to(dev), _rand(n, k, gen=gen).to(dev)
+            got = linear(x, w)
+            assert got.shape == (m, n) and got.dtype == torch.bfloat16, name
+            exact, bound = linear_f64(x, w)
+            worst = ((got.double().cpu() - exact).abs() - bound).max().item()
+            assert worst <= 0, f"{name}: {m}x{k} @ {k}x{n} exceeds the bound by {worst:.3g}"
 
 
 def test_greedy_generation_matches_the_cpu_driver(driver, rlt_driver_name, tmp_path_factory):

@@ -19,6 +19,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction)
+    p.add_argument("--linear", default="torch", help="projection kernel: torch or e.g. avx2")
     p.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
 
 
@@ -71,6 +72,7 @@ def _llm(args, tokens: int):
         num_blocks=blocks,
         max_num_batched_tokens=max(8192, tokens),
         deterministic=args.deterministic,
+        linear=args.linear,
     )
 
 

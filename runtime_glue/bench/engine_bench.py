@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from hal.interfaces import KERNEL_PREFIX
 from runtime_glue.bench import floors
 from runtime_glue.llm import LLM
 from runtime_glue.sampling import SamplingParams
@@ -53,7 +54,8 @@ def _one_run(llm: LLM, prompt: list[int], output_len: int) -> dict:
 
 
 def python_overhead(llm: LLM, prompt: list[int]) -> dict:
-    """Wall time of one decode step against the time its aten ops ran (torch.profiler)."""
+    """Wall time of one decode step against the time its kernels ran (torch.profiler): aten
+    ops, and kernels called outside aten (``hal.interfaces.KERNEL_PREFIX``)."""
     eng = llm.engine
     eng.add_request("overhead", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     eng.step()  # prefill
@@ -63,13 +65,12 @@ def python_overhead(llm: LLM, prompt: list[int]) -> dict:
         wall = time.perf_counter() - start
     while eng.has_unfinished():
         eng.step()
-    kernels = (
-        sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / 1e6
-    )
+    kinds = ("aten::", KERNEL_PREFIX)
+    kernels = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(kinds))
     return {
         "decode_step_wall_s": wall,
-        "aten_self_time_s": kernels,
-        "overhead_s": max(wall - kernels, 0.0),
+        "kernel_self_time_s": kernels / 1e6,
+        "overhead_s": max(wall - kernels / 1e6, 0.0),
     }
 
 
@@ -77,7 +78,10 @@ def measure_floors(llm: LLM, rows: list[int]) -> dict:
     dev, sync = llm.driver.device.torch_device, llm.driver.device.synchronize
     return {
         "bandwidth": floors.read_bandwidth(dev, sync),
-        "gemm_flops": {r: floors.gemm_rate(dev, sync, r) for r in sorted(set(rows))},
+        "gemm_kernel": llm.linear,
+        "gemm_flops": {
+            r: floors.gemm_rate(dev, sync, r, linear=llm.model.linear) for r in sorted(set(rows))
+        },
     }
 
 
@@ -115,6 +119,8 @@ def latency(llm: LLM, input_lens: list[int], output_len: int, runs: int, warmup:
         "device": llm.driver.label,
         "attention_backend": llm.model.backend.name,
         "deterministic": llm.model.deterministic,
+        "linear": llm.linear,
+        "mode": llm.mode,
         "config": {
             "hidden_size": cfg.hidden_size,
             "layers": cfg.num_hidden_layers,
@@ -165,6 +171,8 @@ def baseline(llm: LLM, input_len: int, output_len: int, runs: int, concurrency: 
     out = {
         "machine": machine(),
         "device": llm.driver.label,
+        "linear": llm.linear,
+        "mode": llm.mode,
         "input_len": input_len,
         "output_len": output_len,
         "runs": runs,

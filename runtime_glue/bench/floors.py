@@ -37,12 +37,19 @@ def read_bandwidth(device: torch.device, sync, mib: int = 512, repeats: int = 5)
 
 
 def gemm_rate(
-    device: torch.device, sync, rows: int, k: int = 2048, n: int = 5632, repeats: int = 3
+    device: torch.device,
+    sync,
+    rows: int,
+    k: int = 2048,
+    n: int = 5632,
+    repeats: int = 3,
+    linear=F.linear,
 ) -> float:
-    """bf16 FLOP/s of ``F.linear`` with ``rows`` rows against a [n, k] weight."""
+    """bf16 FLOP/s of ``linear`` (the model's projection kernel) with ``rows`` rows against a
+    [n, k] weight."""
     x = torch.randn(rows, k, device=device).bfloat16()
     w = torch.randn(n, k, device=device).bfloat16()
-    seconds = _median_time(lambda: F.linear(x, w), repeats, sync)
+    seconds = _median_time(lambda: linear(x, w), repeats, sync)
     return 2 * rows * k * n / seconds
 
 

@@ -1,0 +1,130 @@
+"""The cpu driver's ``avx2`` projection kernel: accuracy, row invariance, its place in the
+runtime and its errors. (Its speed is measured in docs/benchmarks.md, not here.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drivers.cpu import fast_linear
+from runtime_glue.determinism import check_row_invariance
+from runtime_glue.llm import LLM
+from runtime_glue.sampling import SamplingParams
+from tests.conftest import PARITY_CONFIGS
+from tests.helpers import prompt_of
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="needs AVX2"
+)
+
+
+def _operands(m: int, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    return x, w
+
+
+# Shapes cover every blocking edge: one row, odd row counts, more rows than a cache block
+# (32), N not a multiple of the 4-row weight block, K with a scalar tail.
+SHAPES = [(1, 64, 64), (2, 7, 9), (3, 5632, 2048), (5, 2048, 5632), (33, 100, 200), (70, 13, 24)]
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_the_kernel_is_as_accurate_as_torchs_bf16_linear(m, n, k):
+    x, w = _operands(m, n, k)
+    exact = x.double() @ w.double().T
+    got = fast_linear.bf16_linear(x, w).double()
+    # Both round an fp32 sum to bf16 once: at most half a bf16 ulp of the result (2^-9
+    # relative) plus fp32 accumulation error, which k * 2^-24 * sum|x*w| bounds.
+    accumulation = k * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    bound = exact.abs() * 2.0**-8 + accumulation + 1e-30
+    assert ((got - exact).abs() <= bound).all()
+    torch_err = (F.linear(x, w).double() - exact).abs().max()
+    assert (got - exact).abs().max() <= 2 * torch_err + accumulation.max()
+
+
+def test_leading_dimensions_and_views_are_handled():
+    x, w = _operands(6, 40, 32)
+    x3 = x.view(2, 3, 32)
+    assert torch.equal(fast_linear.bf16_linear(x3, w), fast_linear.bf16_linear(x, w).view(2, 3, 40))
+    strided = torch.cat([x, x], dim=1)[:, :32]  # not contiguous
+    assert torch.equal(fast_linear.bf16_linear(strided, w), fast_linear.bf16_linear(x, w))
+    assert fast_linear.bf16_linear(x[:0], w).shape == (0, 40)
+
+
+def test_the_kernel_is_row_invariant_for_the_ouro_shapes():
+    shapes = [(2048, 2048), (5632, 2048), (2048, 5632), (512, 2048)]
+    weights = [_operands(1, n, k, seed=n + k)[1] for n, k in shapes]
+    check_row_invariance(weights, fast_linear.bf16_linear)  # raises if a row's bits move
+
+
+def test_it_rejects_what_it_cannot_compute():
+    x, w = _operands(2, 4, 8)
+    with pytest.raises(TypeError, match="bf16 CPU tensors"):
+        fast_linear.bf16_linear(x.float(), w)
+
+
+def test_the_runtime_uses_it_on_request_and_reports_the_mode(checkpoints):
+    name = "gqa-h256-d32-L3-T4"  # at hidden 64 the kernel happens to give torch's very bits
+    ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
+    llm = LLM(ckpt, device="cpu", num_blocks=8, linear="avx2", deterministic=False)
+    assert llm.model.linear is fast_linear.bf16_linear and llm.mode == "fast"
+    exact = LLM(ckpt, device="cpu", num_blocks=8, deterministic=False)
+    params = SamplingParams(max_tokens=1)
+    got = llm.generate([prompt_of(20, seed=1)], params, return_logits=True)[0].logits
+    want = exact.generate([prompt_of(20, seed=1)], params, return_logits=True)[0].logits
+    assert got is not None and want is not None
+    assert not torch.equal(got, want), "the kernel changed nothing: is it really in use?"
+    assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
+
+
+def test_deterministic_mode_holds_with_the_kernel(checkpoints):
+    name = "gqa-h256-d32-L3-T4"
+    ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
+    prompts = [prompt_of(70, seed=1), prompt_of(9, seed=2)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def run(chunk):
+        llm = LLM(ckpt, block_size=16, num_blocks=64, linear="avx2", prefill_chunk_size=chunk)
+        assert llm.mode == "deterministic" and llm.model.linear is fast_linear.bf16_linear
+        return llm.generate(prompts, params, return_logits=True)
+
+    want = run(None)
+    for chunk in (1, 16):
+        for g, w in zip(run(chunk), want, strict=True):
+            assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits), chunk
+
+
+def test_a_missing_compiler_is_named_with_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLT_HAL_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "no-such-cc")
+    fast_linear.load.cache_clear()
+    try:
+        with pytest.raises(fast_linear.FastLinearUnavailable, match="apt install gcc"):
+            fast_linear.load()
+    finally:
+        fast_linear.load.cache_clear()
+
+
+def test_a_build_failure_shows_the_compiler_output(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setenv("RLT_HAL_CACHE", str(tmp_path))
+    monkeypatch.setattr(fast_linear, "SOURCE", bad)
+    fast_linear.load.cache_clear()
+    try:
+        with pytest.raises(fast_linear.FastLinearUnavailable, match="compiling .*bad.c"):
+            fast_linear.load()
+    finally:
+        fast_linear.load.cache_clear()
+    assert not list((tmp_path / "kernels").glob("*.so")), "a failed build left a library"
+
+
+def test_unknown_kernels_and_drivers_without_it_are_refused(tiny_ckpt, monkeypatch):
+    with pytest.raises(ValueError, match="linear kernel 'amx' is not offered by driver 'cpu'; "):
+        LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="amx")
+    monkeypatch.setenv("RLT_HAL_NPU_EMULATE", "1")
+    with pytest.raises(ValueError, match="choose one of: torch$"):
+        LLM(tiny_ckpt, device="npu", num_blocks=4, linear="avx2")
