@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the CPU figures in docs/benchmarks.md (about 25 minutes on 2 cores).
+# Reproduce the CPU figures in docs/benchmarks.md (about 35 minutes on 2 cores).
 # Usage: benchmarks/run_docs_benchmarks.sh OUT_DIR   (JSON reports land in OUT_DIR)
 set -euo pipefail
 out=${1:?usage: $0 OUT_DIR}
@@ -16,3 +16,10 @@ $B baseline --preset ouro-1.4b-shape --input-len 16 --output-len 8 --runs 1 \
     --json "$out/ouro-baseline.json"
 $B determinism --preset ouro-1.4b-shape --input-len 16 --output-len 8 --runs 1 \
     --json "$out/ouro-determinism.json"
+# The fast CPU path (--linear avx2).
+$B latency --preset ouro-1.4b-shape --linear avx2 --input-lens 64,512 --output-len 16 --runs 1 \
+    --warmup 0 --json "$out/ouro-latency-avx2.json"
+$B baseline --preset ouro-1.4b-shape --linear avx2 --input-len 16 --output-len 8 --runs 1 \
+    --json "$out/ouro-baseline-avx2.json"
+$B baseline --preset small --linear avx2 --input-len 64 --output-len 32 --runs 3 \
+    --json "$out/small-baseline-avx2.json"
