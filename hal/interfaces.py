@@ -165,6 +165,9 @@ class Driver:
 
     # Names of the matmul kernels ``linear`` offers besides "torch" (``F.linear``, HF-exact).
     linear_kernels: ClassVar[tuple[str, ...]] = ()
+    # The kernel the runtime picks when the run does not promise HF's bits (deterministic
+    # mode) and the user named none.
+    preferred_linear: ClassVar[str] = "torch"
 
     def linear(self, name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The projection kernel ``name``: ``f(x [..., K], w [N, K]) -> [..., N]``.

@@ -22,9 +22,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", help="e.g. cpu_eager, cuda_sdpa, ascend_eager")
     p.add_argument(
         "--linear",
-        default="torch",
         help="projection kernel: torch (F.linear, HF-exact) or one the driver offers, e.g. "
-        "avx2 on cpu (not HF-exact)",
+        "avx2 on cpu (not HF-exact). Default: torch in HF-exact mode, else the driver's "
+        "preferred kernel (avx2 on cpu)",
     )
     p.add_argument("--block-size", type=int, default=128)
     pool = p.add_mutually_exclusive_group()

@@ -29,24 +29,22 @@ def padded(linear):
             return linear(x.expand(2, -1), w)[:1]
         return linear(x, w)
 
+    padded_linear.pads = linear  # type: ignore[attr-defined]
     return padded_linear
 
 
-row_invariant_linear = padded(F.linear)
-
-
-def choose_linear(weights: list[torch.Tensor], norm, allow_padding: bool = True, base=F.linear):
+def choose_linear(weights: list[torch.Tensor], norm, allow_padding: bool = True, base=None):
     """The cheapest row-invariant form of the ``base`` kernel for these weight shapes.
 
-    ``base`` itself when it is already row-invariant (padding would double the cost of
+    ``base`` (default ``F.linear``) itself when it is already row-invariant (padding would double the cost of
     one-row decode calls), else its padded variant if allowed; RuntimeError when neither is,
     or when ``norm`` is not.
     """
     x = _inputs(weights[0].shape[1], weights[0])
     _check(norm, x, "rms_norm")
     failure = None
-    pad = row_invariant_linear if base is F.linear else padded(base)
-    for linear in (base, pad)[: 2 if allow_padding else 1]:
+    base = base or F.linear
+    for linear in (base, padded(base))[: 2 if allow_padding else 1]:
         try:
             check_row_invariance(weights, linear)
             return linear

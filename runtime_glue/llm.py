@@ -79,7 +79,7 @@ class LLM:
         driver_options: dict | None = None,
         progress: bool = False,
         deterministic: bool | None = None,
-        linear: str = "torch",
+        linear: str | None = None,
     ) -> None:
         if dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {dtype!r}")
@@ -100,9 +100,13 @@ class LLM:
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
         logger.info("%s", self.kv_summary)
         self.model = OuroModel(cfg, weights, backend, self.kv_store)
-        self.linear = linear
-        self.model.linear = self.driver.linear(linear)
-        self._set_deterministic(deterministic, backend)
+        if deterministic is None and not (
+            backend.supports_deterministic and backend.deterministic_by_default
+        ):
+            deterministic = False
+        # Now True: the mode or an error; None: the mode by default, off if its check fails.
+        self._set_linear(linear, exact=deterministic is False)
+        self._set_deterministic(deterministic)
         self.engine = Engine(
             self.model,
             self.driver.device,
@@ -113,10 +117,21 @@ class LLM:
         )
         self._next_id = 0
 
-    def _set_deterministic(self, wanted: bool | None, backend) -> None:
-        """True: the mode or an error. None: the backend's default, off if the check fails."""
-        default = backend.supports_deterministic and backend.deterministic_by_default
-        if wanted is False or (wanted is None and not default):
+    def _set_linear(self, name: str | None, exact: bool) -> None:
+        """The named kernel; unnamed, torch's for an HF-exact run, else the driver's choice."""
+        if name is None and not exact and self.driver.preferred_linear != "torch":
+            try:
+                self.model.linear = self.driver.linear(self.driver.preferred_linear)
+                self.linear = self.driver.preferred_linear
+                return
+            except RuntimeError as exc:
+                logger.warning("using torch's linear kernel: %s", exc)
+        self.linear = name or "torch"
+        self.model.linear = self.driver.linear(self.linear)
+
+    def _set_deterministic(self, wanted: bool | None) -> None:
+        """True: the mode or an error. None: the mode, off (logged) if its check fails."""
+        if wanted is False:
             return
         try:
             self.model.enable_deterministic(allow_padding=wanted is True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+import torch.nn.functional as F
 
 from runtime_glue.llm import LLM
 from runtime_glue.sampling import SamplingParams
@@ -103,8 +104,6 @@ def test_the_mode_is_the_default_only_where_its_backend_measured_it_cheap(tiny_c
 
 def _gemv_differs(monkeypatch):
     """Test double for a device whose one-row linear rounds differently from its GEMM."""
-    import torch.nn.functional as F
-
     real = F.linear
 
     def gemv_differs(x, w, bias=None):
@@ -115,16 +114,14 @@ def _gemv_differs(monkeypatch):
 
 
 def test_a_default_mode_that_fails_its_check_falls_back_to_hf_exact(tiny_ckpt, monkeypatch, caplog):
-    from runtime_glue import determinism
-
     _gemv_differs(monkeypatch)
     # By default padding is not worth it (it doubles one-row calls): the mode stays off.
-    assert LLM(tiny_ckpt, device="cpu", num_blocks=4).mode == "hf-exact"
+    assert LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="torch").mode == "hf-exact"
     assert "deterministic mode is off by default here" in caplog.text
     assert "linear [" in caplog.text
     # Asked for explicitly, the mode pays for the padding.
-    llm = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=True)
-    assert llm.mode == "deterministic" and llm.model.linear is determinism.row_invariant_linear
+    llm = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=True, linear="torch")
+    assert llm.mode == "deterministic" and llm.model.linear.pads is F.linear
 
 
 def test_kernels_that_are_not_row_invariant_are_detected():
@@ -145,4 +142,4 @@ def test_a_linear_that_is_only_invariant_when_padded_gets_the_padding(monkeypatc
     _gemv_differs(monkeypatch)
     w = torch.randn(8, 16).bfloat16()
     chosen = determinism.choose_linear([w], lambda x: x * 2)
-    assert chosen is determinism.row_invariant_linear
+    assert chosen.pads is F.linear

@@ -97,15 +97,35 @@ def test_deterministic_mode_holds_with_the_kernel(checkpoints):
             assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits), chunk
 
 
-def test_a_missing_compiler_is_named_with_what_to_do(monkeypatch, tmp_path):
+def test_it_is_the_default_kernel_unless_the_run_is_hf_exact(tiny_ckpt):
+    assert LLM(tiny_ckpt, device="cpu", num_blocks=4).linear == "avx2"
+    assert LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=True).linear == "avx2"
+    hf = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=False)
+    assert hf.linear == "torch" and hf.mode == "hf-exact"
+    named = LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="torch")
+    assert named.linear == "torch" and named.mode == "deterministic"
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("RLT_HAL_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "no-such-cc")
     fast_linear.load.cache_clear()
-    try:
-        with pytest.raises(fast_linear.FastLinearUnavailable, match="apt install gcc"):
-            fast_linear.load()
-    finally:
-        fast_linear.load.cache_clear()
+    yield
+    fast_linear.load.cache_clear()
+
+
+def test_a_missing_compiler_is_named_with_what_to_do(no_compiler):
+    with pytest.raises(fast_linear.FastLinearUnavailable, match="apt install gcc"):
+        fast_linear.load()
+
+
+def test_without_a_compiler_the_default_falls_back_to_torch(no_compiler, tiny_ckpt, caplog):
+    llm = LLM(tiny_ckpt, device="cpu", num_blocks=4)
+    assert llm.linear == "torch" and llm.mode == "deterministic"
+    assert "using torch's linear kernel" in caplog.text and "apt install gcc" in caplog.text
+    with pytest.raises(fast_linear.FastLinearUnavailable):  # asked for by name: an error
+        LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="avx2")
 
 
 def test_a_build_failure_shows_the_compiler_output(monkeypatch, tmp_path):

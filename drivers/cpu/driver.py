@@ -39,6 +39,7 @@ class CpuEagerBackend(EagerBackend):
 
 class CpuDriver(Driver):
     linear_kernels = ("avx2",)
+    preferred_linear = "avx2"
 
     def create_kv_store(self, layout: KVLayout) -> TensorKVStore:
         return TensorKVStore(layout, self.device.torch_device)

@@ -19,7 +19,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction)
-    p.add_argument("--linear", default="torch", help="projection kernel: torch or e.g. avx2")
+    p.add_argument("--linear", help="projection kernel: torch or e.g. avx2 (default: as serve)")
     p.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
 
 
@@ -107,6 +107,7 @@ def cmd_determinism(args) -> int:
     from runtime_glue.bench.engine_bench import determinism_cost, markdown_determinism
 
     tokens = args.concurrency * (args.input_len + args.output_len + args.block_size)
+    args.linear = args.linear or "torch"  # the same kernel both ways: the cost of the mode only
     args.deterministic = False
     default = _llm(args, tokens)
     args.deterministic = True
