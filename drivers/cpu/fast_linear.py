@@ -75,7 +75,10 @@ def load() -> ctypes.CDLL:
                     f"compiling {SOURCE} with {cc} failed:\n{proc.stderr.strip()}"
                 )
             built.replace(path)  # atomic: concurrent builders never load a partial file
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise FastLinearUnavailable(f"loading the avx2 linear kernel {path} failed: {exc}") from exc
     lib.rlt_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.rlt_bf16_linear.restype = ctypes.c_int
     return lib
