@@ -97,7 +97,9 @@ def row_invariant_attention(q, k, v, scaling: float, context_len: int, out: torc
     """
     _, heads, q_len, d = q.shape
     kv_heads = k.shape[1]
-    qf = (q[0].transpose(0, 1).float() * scaling).reshape(q_len, kv_heads, heads // kv_heads, d)
+    # [q_len, kv_heads, n_rep, d], contiguous: row i's block has the same layout for any q_len.
+    qf = q[0].transpose(0, 1).contiguous().float() * scaling
+    qf = qf.view(q_len, kv_heads, heads // kv_heads, d)
     kt = k[0].float().transpose(1, 2)  # [kv_heads, d, kv_len], a view
     vf = v[0].float()  # [kv_heads, kv_len, d]
     for i in range(q_len):
