@@ -26,3 +26,10 @@ $B baseline --preset ouro-1.4b-shape --linear avx2 --input-len 16 --output-len 8
     --json "$out/ouro-baseline-avx2.json"
 $B baseline --preset small --linear avx2 --input-len 64 --output-len 32 --runs 3 \
     --json "$out/small-baseline-avx2.json"
+# Over HTTP (small): a real server, then the openai client against it.
+${RLT_HAL:-.venv/bin/rlt-hal} serve --model "${RLT_HAL_CACHE:-$HOME/.cache/rlt-hal}/toy-small-seed0" \
+    --port 8123 & server=$!
+trap 'kill $server' EXIT
+for _ in $(seq 60); do curl -sf http://127.0.0.1:8123/health >/dev/null && break; sleep 1; done
+$B serve --url http://127.0.0.1:8123/v1 --concurrency 1,8 --num-requests 16 --input-len 64 \
+    --output-len 32 --json "$out/small-serve.json"
