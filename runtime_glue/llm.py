@@ -118,16 +118,18 @@ class LLM:
         self._next_id = 0
 
     def _set_linear(self, name: str | None, exact: bool) -> None:
-        """The named kernel; unnamed, torch's for an HF-exact run, else the driver's choice."""
-        if name is None and not exact and self.driver.preferred_linear != "torch":
-            try:
-                self.model.linear = self.driver.linear(self.driver.preferred_linear)
-                self.linear = self.driver.preferred_linear
-                return
-            except RuntimeError as exc:
-                logger.warning("using torch's linear kernel: %s", exc)
-        self.linear = name or "torch"
-        self.model.linear = self.driver.linear(self.linear)
+        """The named kernel; unnamed, torch's for an HF-exact run, else the driver's choice
+        (torch's, logged, when that one cannot run here)."""
+        chosen = name or ("torch" if exact else self.driver.preferred_linear)
+        try:
+            self.model.linear = self.driver.linear(chosen)
+        except RuntimeError as exc:
+            if name:
+                raise
+            logger.warning("using torch's linear kernel: %s", exc)
+            chosen = "torch"
+            self.model.linear = self.driver.linear(chosen)
+        self.linear = chosen
 
     def _set_deterministic(self, wanted: bool | None) -> None:
         """True: the mode or an error. None: the mode, off (logged) if its check fails."""

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from hal.cache import cache_dir
 from runtime_glue.checkpoint import INDEX_FILE, expected_tensors
 from runtime_glue.config import OuroConfig
 
@@ -162,8 +162,7 @@ def write_checkpoint(out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards
 def cached_checkpoint(preset: str, seed: int = 0) -> Path:
     """A preset's random checkpoint in ``$RLT_HAL_CACHE`` (default ~/.cache/rlt-hal), written
     on first use: the embedded default model and the benchmark presets."""
-    cache = Path(os.environ.get("RLT_HAL_CACHE", Path.home() / ".cache" / "rlt-hal"))
-    path = cache / f"toy-{preset}-seed{seed}"
+    path = cache_dir() / f"toy-{preset}-seed{seed}"
     if not (path / "config.json").is_file():
         logger.warning("writing the random %s checkpoint to %s", preset, path)
         write_checkpoint(path, preset_config(preset), seed=seed)

@@ -8,6 +8,7 @@ import pytest
 
 from runtime_glue.config import OuroConfig
 from runtime_glue.toy import preset_config, write_checkpoint
+from tests.server_helpers import ServerProcess
 
 
 def pytest_addoption(parser):
@@ -154,3 +155,11 @@ def available_drivers() -> list[str]:
         for spec, probe in default_registry().probe_all()
         if probe.available and spec.name in BUILTIN_DRIVERS
     ]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    """A real ``rlt-hal serve`` process on a loopback port, one per test module."""
+    proc = ServerProcess(tiny_ckpt)
+    yield proc
+    proc.stop()

@@ -1,8 +1,10 @@
-"""Helpers the test modules share: the HF reference with a cache, and run_* cases."""
+"""Helpers the test modules share: the HF reference with a cache, run_* cases, the CLI."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import torch
 
@@ -22,6 +24,13 @@ def reference(model_dir) -> OuroReference:
 @functools.lru_cache(maxsize=64)
 def reference_run(model_dir, prompt: tuple[int, ...], max_new: int):
     return reference(model_dir).generate(list(prompt), max_new)
+
+
+def rlt_hal(*args: str, env=None) -> subprocess.CompletedProcess:
+    """Run ``rlt-hal ARGS...`` in a fresh process, as a user would; output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "runtime_glue.cli", *args], capture_output=True, text=True, env=env
+    )
 
 
 def prompt_of(length: int, seed: int = 0, vocab: int = 1024) -> list[int]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from runtime_glue.checkpoint import CheckpointError
 from runtime_glue.config import OuroConfig
 from runtime_glue.llm import LLM
 from runtime_glue.sampling import SamplingParams
+from tests.helpers import rlt_hal
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
@@ -160,20 +159,7 @@ def test_block_size_must_be_a_power_of_two_of_at_least_16(tiny_ckpt, block_size)
 
 def test_the_cli_reports_errors_without_a_traceback(ckpt_copy):
     _edit_weights(ckpt_copy, lambda w: w.pop(Q0))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runtime_glue.cli",
-            "generate",
-            "--model",
-            str(ckpt_copy),
-            "--prompt",
-            "hi",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = rlt_hal("generate", "--model", str(ckpt_copy), "--prompt", "hi")
     assert proc.returncode == 2
     assert f"rlt-hal: error: {ckpt_copy}: missing tensor(s) {Q0}" in proc.stderr
     assert "Traceback" not in proc.stderr

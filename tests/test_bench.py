@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+from tests.helpers import rlt_hal
 from tests.server_helpers import ServerProcess
 
 
@@ -16,12 +15,7 @@ def _bench(tmp_path, command: str, *extra: str):
     args = [*command.split(), *extra]
     out = tmp_path / "report.json"
     env = {**os.environ, "RLT_HAL_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", "bench", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    proc = rlt_hal("bench", *args, "--json", str(out), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc.stdout
 

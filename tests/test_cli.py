@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from runtime_glue.llm import LLM
 from runtime_glue.sampling import SamplingParams
-
-
-def rlt_hal(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", *args], capture_output=True, text=True, env=env
-    )
+from tests.helpers import rlt_hal
 
 
 def test_toy_checkpoint_writes_the_hf_layout_with_a_chatml_tokenizer(tmp_path):

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from importlib.metadata import entry_points
 
+from tests.helpers import rlt_hal
+
 
 def _kit(driver: str, env=None):
     return subprocess.run(
@@ -42,22 +44,15 @@ def test_the_example_driver_is_registered_only_through_its_entry_point():
 
 def test_the_example_driver_is_selected_with_vllm_rlt_device(tiny_ckpt):
     env = {**os.environ, "VLLM_RLT_DEVICE": "acme"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runtime_glue.cli",
-            "generate",
-            "--model",
-            str(tiny_ckpt),
-            "--prompt-ids",
-            "5,6,7",
-            "--max-tokens",
-            "3",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = rlt_hal(
+        "generate",
+        "--model",
+        str(tiny_ckpt),
+        "--prompt-ids",
+        "5,6,7",
+        "--max-tokens",
+        "3",
+        "--json",
         env=env,
     )
     assert proc.returncode == 0, proc.stderr

@@ -19,7 +19,7 @@ from drivers.npu.emulation import EmulatedTorchNpu
 from hal.types import KVLayout
 from runtime_glue.llm import LLM
 from runtime_glue.sampling import SamplingParams
-from tests.helpers import GREEDY, prompt_of
+from tests.helpers import GREEDY, prompt_of, rlt_hal
 
 
 def _stand_in_torch_npu(tmp_path, body: str):
@@ -220,34 +220,22 @@ def test_late_events_make_metadata_buffers_wait_before_reuse(tiny_ckpt):
 
 def test_everything_the_emulated_driver_reports_says_emulated(tiny_ckpt):
     env = {**os.environ, "RLT_HAL_NPU_EMULATE": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runtime_glue.cli",
-            "generate",
-            "--device",
-            "npu",
-            "--model",
-            str(tiny_ckpt),
-            "--prompt-ids",
-            "5,6",
-            "--max-tokens",
-            "2",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    proc = rlt_hal(
+        "generate",
+        "--device",
+        "npu",
+        "--model",
+        str(tiny_ckpt),
+        "--prompt-ids",
+        "5,6",
+        "--max-tokens",
+        "2",
+        "--json",
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
     assert '"device": "npu (emulated torch_npu on CPU)"' in proc.stdout
-    drivers = subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", "drivers"],
-        capture_output=True,
-        text=True,
-        env=env,
-    ).stdout
+    drivers = rlt_hal("drivers", env=env).stdout
     assert "npu      available: emulated" in drivers
 
 

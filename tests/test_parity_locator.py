@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 
 import pytest
 
@@ -13,7 +12,7 @@ from hal import DriverSpec, ProbeResult, Registry, hookimpl
 from hal.eager import EagerBackend
 from runtime_glue.llm import LLM
 from runtime_glue.parity import compare
-from tests.helpers import prompt_of
+from tests.helpers import prompt_of, rlt_hal
 
 
 class PerturbedBackend(EagerBackend):
@@ -76,31 +75,24 @@ def test_identical_drivers_are_reported_equal(tiny_ckpt, driver_name):
     assert report.first_token_diff is None and report.max_logit_diff == 0.0
 
 
-def test_the_cli_reports_json_and_exits_zero_when_equal(tiny_ckpt):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runtime_glue.cli",
-            "parity",
-            "--model",
-            str(tiny_ckpt),
-            "--device",
-            "cpu",
-            "--against",
-            "npu",
-            "--prompt-ids",
-            "5,6,7,8,9",
-            "--max-tokens",
-            "4",
-            "--block-size",
-            "16",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "RLT_HAL_NPU_EMULATE": "1"},
+def _parity(ckpt, *args: str):
+    """``rlt-hal parity --json`` on a five-token prompt, with the NPU emulated."""
+    return rlt_hal(
+        "parity",
+        "--model",
+        str(ckpt),
+        "--prompt-ids",
+        "5,6,7,8,9",
+        "--block-size",
+        "16",
+        "--json",
+        *args,
+        env={**os.environ, "RLT_HAL_NPU_EMULATE": "1"},
     )
+
+
+def test_the_cli_reports_json_and_exits_zero_when_equal(tiny_ckpt):
+    proc = _parity(tiny_ckpt, "--device", "cpu", "--against", "npu", "--max-tokens", "4")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["equal"] is True and report["b"].startswith("npu (emulated")
@@ -108,30 +100,7 @@ def test_the_cli_reports_json_and_exits_zero_when_equal(tiny_ckpt):
 
 
 def test_without_against_side_b_runs_on_side_as_device(tiny_ckpt):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runtime_glue.cli",
-            "parity",
-            "--model",
-            str(tiny_ckpt),
-            "--device",
-            "npu",
-            "--prefill-chunk-size",
-            "2",
-            "--prompt-ids",
-            "5,6,7,8,9",
-            "--max-tokens",
-            "2",
-            "--block-size",
-            "16",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "RLT_HAL_NPU_EMULATE": "1"},
-    )
+    proc = _parity(tiny_ckpt, "--device", "npu", "--prefill-chunk-size", "2", "--max-tokens", "2")
     report = json.loads(proc.stdout)
     assert report["a"].startswith("npu (emulated") and report["b"].startswith("npu (emulated")
     assert report["b"].endswith("/chunk=2")

@@ -19,13 +19,6 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_ckpt):
-    proc = ServerProcess(tiny_ckpt)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
 

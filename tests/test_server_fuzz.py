@@ -7,8 +7,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_helpers import ServerProcess
-
 json_values = st.recursive(
     st.none()
     | st.booleans()
@@ -20,13 +18,6 @@ json_values = st.recursive(
     ),
     max_leaves=8,
 )
-
-
-@pytest.fixture(scope="module")
-def server(tiny_ckpt):
-    proc = ServerProcess(tiny_ckpt)
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from hal.cache import cache_dir
 from hal.interfaces import KERNEL_PREFIX
 
 SOURCE = Path(__file__).with_name("csrc") / "bf16_linear.c"
@@ -47,9 +48,8 @@ def _compiler() -> str:
 
 
 def _library_path(cc: str) -> Path:
-    cache = Path(os.environ.get("RLT_HAL_CACHE", Path.home() / ".cache" / "rlt-hal"))
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode()).hexdigest()
-    return cache / "kernels" / f"bf16_linear-{key[:16]}.so"
+    return cache_dir() / "kernels" / f"bf16_linear-{key[:16]}.so"
 
 
 @functools.cache
