@@ -18,7 +18,7 @@ from runtime_glue.sampling import SamplingParams
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 
-CONFIGS = ["gqa-h64-d32-L2-T4", "gqa-h256-d32-L3-T4", "wide-h2048-d128-L1-T4"]
+CONFIGS = sorted(PARITY_CONFIGS)  # every parity config, two of them at Ouro-1.4B width
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
