@@ -76,6 +76,14 @@ class Device(abc.ABC):
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
+    def alloc_weights(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One flat, uninitialised buffer that the loader fills with every model weight.
+
+        Drivers may choose where it lives (the cpu driver aligns it to 2 MiB and asks the
+        kernel for huge pages, since decode streams all of it once per loop).
+        """
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
     @property
     def pin_memory(self) -> bool:
         """Whether host buffers feeding this device should be pinned."""
@@ -168,6 +176,10 @@ class Driver:
     # The kernel the runtime picks when the run does not promise HF's bits (deterministic
     # mode) and the user named none.
     preferred_linear: ClassVar[str] = "torch"
+    # Kernels whose every output column is computed alone, so that one call on stacked
+    # weights (q|k|v, gate|up) gives the bits of separate calls; the model then makes one
+    # call where it would make three. The conformance kit verifies the claim.
+    column_invariant_linears: ClassVar[tuple[str, ...]] = ()
 
     def linear(self, name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The projection kernel ``name``: ``f(x [..., K], w [N, K]) -> [..., N]``.

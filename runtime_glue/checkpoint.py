@@ -8,6 +8,7 @@ Errors name the file and the tensor at fault.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import attrs
 import torch
 from safetensors import safe_open
 
+from hal.interfaces import Device
 from runtime_glue.config import OuroConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -174,16 +176,62 @@ def validate(entries: dict[str, TensorEntry], cfg: OuroConfig, model_dir: str | 
             )
 
 
+# Checkpoint tensors stored back to back, so that a stacked weight is a view of its members
+# and a column-invariant kernel (Driver.column_invariant_linears) makes one call for them.
+STACKED = {
+    "self_attn.qkv_proj.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+_ALIGN = 64  # elements between groups: keeps every group's start cache-line aligned
+
+
+def _groups(entries: dict[str, TensorEntry], cfg: OuroConfig) -> dict[str, list[str]]:
+    """Name of each stored group -> its members in order; a lone tensor is its own group."""
+    groups: dict[str, list[str]] = {}
+    stacked: set[str] = set()
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        for name, members in STACKED.items():
+            groups[p + name] = [p + m for m in members]
+            stacked.update(groups[p + name])
+    groups.update({name: [name] for name in entries if name not in stacked})
+    return groups
+
+
 def load_weights(
-    model_dir: str | Path, cfg: OuroConfig, device: torch.device, progress: bool = False
+    model_dir: str | Path, cfg: OuroConfig, device: Device, progress: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Validate the whole checkpoint, then read every tensor onto ``device``."""
+    """Validate the whole checkpoint, then read every tensor into one buffer from
+    ``device.alloc_weights``. Returns each checkpoint tensor as a view of that buffer, plus
+    each layer's stacked views named by ``STACKED`` (``model.layers.0.mlp.gate_up_proj.weight``).
+    """
     entries = index_checkpoint(model_dir)
     validate(entries, cfg, model_dir)
+    groups = _groups(entries, cfg)
+    offsets: dict[str, int] = {}
+    total = 0
+    for members in groups.values():
+        total = -(-total // _ALIGN) * _ALIGN
+        for name in members:
+            offsets[name] = total
+            total += math.prod(entries[name].shape)
+    buffer = device.alloc_weights(total, getattr(torch, cfg.torch_dtype))
+
+    def view(name: str, rows: int | None = None) -> torch.Tensor:
+        shape = entries[name].shape if rows is None else (rows, *entries[name].shape[1:])
+        return buffer[offsets[name] : offsets[name] + math.prod(shape)].view(shape)
+
+    weights = {name: view(name) for name in entries}
+    for name, members in groups.items():
+        if len(members) > 1:
+            weights[name] = view(members[0], sum(entries[m].shape[0] for m in members))
     by_file: dict[Path, list[str]] = {}
     for name, e in entries.items():
         by_file.setdefault(e.file, []).append(name)
-    weights = {}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -192,7 +240,7 @@ def load_weights(
     for path, names in sorted(by_file.items()):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in names:
-                weights[name] = f.get_tensor(name).to(device)
+                weights[name].copy_(f.get_tensor(name))
                 if bar is not None:
                     bar.update()
     if bar is not None:

@@ -90,9 +90,7 @@ class LLM:
         self.driver = (registry or default_registry()).create(device, **(driver_options or {}))
         self.driver.device.initialize()
         backend = self.driver.backend(attention_backend)
-        weights = load_weights(
-            self.model_dir, self.config, self.driver.device.torch_device, progress=progress
-        )
+        weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
         cfg = self.config
         probe = KVLayout(cfg.num_planes, 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         blocks = pool_blocks(probe.bytes_per_token, block_size, num_blocks, kv_cache_memory)
@@ -130,6 +128,7 @@ class LLM:
             chosen = "torch"
             self.model.linear = self.driver.linear(chosen)
         self.linear = chosen
+        self.model.stacked = chosen in self.driver.column_invariant_linears
 
     def _set_deterministic(self, wanted: bool | None) -> None:
         """True: the mode or an error. None: the mode, off (logged) if its check fails."""

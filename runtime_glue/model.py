@@ -46,9 +46,11 @@ class LayerWeights:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    qkv: torch.Tensor  # q | k | v stacked (views of the same memory, see checkpoint.STACKED)
     o: torch.Tensor
     gate: torch.Tensor
     up: torch.Tensor
+    gate_up: torch.Tensor  # gate | up stacked
     down: torch.Tensor
     ln: torch.Tensor
     ln_2: torch.Tensor
@@ -62,9 +64,11 @@ class LayerWeights:
             q=weights[p + "self_attn.q_proj.weight"],
             k=weights[p + "self_attn.k_proj.weight"],
             v=weights[p + "self_attn.v_proj.weight"],
+            qkv=weights[p + "self_attn.qkv_proj.weight"],
             o=weights[p + "self_attn.o_proj.weight"],
             gate=weights[p + "mlp.gate_proj.weight"],
             up=weights[p + "mlp.up_proj.weight"],
+            gate_up=weights[p + "mlp.gate_up_proj.weight"],
             down=weights[p + "mlp.down_proj.weight"],
             ln=weights[p + "input_layernorm.weight"],
             ln_2=weights[p + "input_layernorm_2.weight"],
@@ -108,6 +112,9 @@ class OuroModel:
         self.deterministic = False
         # F.linear, or a driver's kernel (LLM(linear=...)), or its row-invariant form.
         self.linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+        # One call on q|k|v and on gate|up instead of one per projection: only for kernels
+        # that give the same bits either way (Driver.column_invariant_linears).
+        self.stacked = False
 
     def enable_deterministic(self, allow_padding: bool = True) -> None:
         """Row-invariant execution (see runtime_glue.determinism); verified before enabling.
@@ -122,8 +129,9 @@ class OuroModel:
             )
         w = self.layers[0]
         eps, norm_w = self.cfg.rms_norm_eps, w.ln
+        stacked = [w.qkv, w.gate_up] if self.stacked else []
         self.linear = choose_linear(
-            [w.q, w.k, w.v, w.o, w.gate, w.up, w.down, self.lm_head],
+            [w.q, w.k, w.v, w.o, w.gate, w.up, w.down, self.lm_head, *stacked],
             lambda x: rms_norm(x, norm_w, eps),
             allow_padding,
             base=self.linear,
@@ -139,10 +147,14 @@ class OuroModel:
 
     def attention(self, t: int, li: int, x, cos, sin, meta: AttentionMetadata):
         w, cfg, n = self.layers[li], self.cfg, x.shape[0]
-        d = cfg.head_dim
-        q = self.linear(x, w.q).view(1, n, cfg.num_attention_heads, d).transpose(1, 2)
-        k = self.linear(x, w.k).view(1, n, cfg.num_key_value_heads, d).transpose(1, 2)
-        v = self.linear(x, w.v).view(1, n, cfg.num_key_value_heads, d).transpose(1, 2)
+        d, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        if self.stacked:
+            q, k, v = self.linear(x, w.qkv).split((heads * d, kv_heads * d, kv_heads * d), -1)
+        else:
+            q, k, v = (self.linear(x, p) for p in (w.q, w.k, w.v))
+        q = q.view(1, n, heads, d).transpose(1, 2)
+        k = k.view(1, n, kv_heads, d).transpose(1, 2)
+        v = v.view(1, n, kv_heads, d).transpose(1, 2)
         if self.recorder is not None:
             for op, val in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 self.recorder(t, li, op, val.transpose(1, 2).reshape(n, -1))
@@ -159,7 +171,11 @@ class OuroModel:
     def mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
         w = self.layers[li]
         lin = self.linear
-        return lin(F.silu(lin(x, w.gate)) * lin(x, w.up), w.down)
+        if self.stacked:
+            gate, up = lin(x, w.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = lin(x, w.gate), lin(x, w.up)
+        return lin(F.silu(gate) * up, w.down)
 
     def layer(self, t: int, li: int, h, cos, sin, meta):
         w, eps = self.layers[li], self.cfg.rms_norm_eps

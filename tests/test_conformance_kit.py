@@ -62,7 +62,7 @@ def test_the_example_driver_is_selected_with_vllm_rlt_device(tiny_ckpt):
 def test_the_example_driver_passes_the_kit():
     proc = _kit("acme")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "11 passed" in proc.stdout
+    assert "12 passed" in proc.stdout
 
 
 BROKEN = '''
@@ -88,11 +88,23 @@ class LeakyBackend(EagerBackend):
         return out
 
 
+def widthwise(x, w):
+    """Exact on narrow weights; zeroes a column of wide (stacked) ones."""
+    y = F.linear(x, w)
+    if w.shape[0] > 100:
+        y[..., -1] = 0
+    return y
+
+
 class LeakyDriver(CpuDriver):
-    """Also offers a projection kernel that drops K's tail beyond a multiple of 8."""
-    linear_kernels = ("tailless",)
+    """Also offers a projection kernel that drops K's tail beyond a multiple of 8, and one
+    that falsely claims to be column-invariant."""
+    linear_kernels = ("tailless", "widthwise")
+    column_invariant_linears = ("widthwise",)
 
     def linear(self, name):
+        if name == "widthwise":
+            return widthwise
         if name != "tailless":
             return super().linear(name)
         return lambda x, w: F.linear(x[:, : x.shape[1] // 8 * 8], w[:, : w.shape[1] // 8 * 8])
@@ -105,7 +117,7 @@ def rlt_hal_register_drivers():
 '''
 
 
-def test_a_driver_that_leaks_future_positions_or_drops_k_tails_fails_the_kit(tmp_path):
+def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_the_kit(tmp_path):
     (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
     dist = tmp_path / "leaky_driver-0.1.dist-info"
     dist.mkdir()
@@ -116,3 +128,4 @@ def test_a_driver_that_leaks_future_positions_or_drops_k_tails_fails_the_kit(tmp
     assert proc.returncode == 1
     assert "FAILED" in proc.stdout and "test_a_query_never_sees_later_positions" in proc.stdout
     assert "tailless: 3x203 @ 203x37 exceeds the bound" in proc.stdout
+    assert "widthwise: 1 rows x K 64" in proc.stdout

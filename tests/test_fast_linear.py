@@ -97,6 +97,21 @@ def test_deterministic_mode_holds_with_the_kernel(checkpoints):
             assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits), chunk
 
 
+def test_stacked_projections_give_the_bits_of_separate_calls(checkpoints):
+    # One call on q|k|v and gate|up (the kernel is column-invariant) must change no bit.
+    name = "gqa-h256-d32-L3-T4"
+    ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
+    prompts = [prompt_of(40, seed=3), prompt_of(7, seed=4)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm = LLM(ckpt, block_size=16, num_blocks=16)
+    assert llm.model.stacked and llm.linear == "avx2"
+    want = llm.generate(prompts, params, return_logits=True)
+    llm.model.stacked = False
+    got = llm.generate(prompts, params, return_logits=True)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits)
+
+
 def test_it_is_the_default_kernel_unless_the_run_is_hf_exact(tiny_ckpt):
     assert LLM(tiny_ckpt, device="cpu", num_blocks=4).linear == "avx2"
     assert LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=True).linear == "avx2"

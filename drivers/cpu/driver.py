@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import resource
 import sys
 
@@ -10,6 +11,8 @@ import torch
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import CompletedFence, Device, Driver, Fence
 from hal.types import KVLayout
+
+HUGE_PAGE = 2 << 20
 
 
 class CpuDevice(Device):
@@ -30,6 +33,19 @@ class CpuDevice(Device):
         # ru_maxrss is KiB on Linux, bytes on macOS.
         return {"peak_rss_bytes": peak if sys.platform == "darwin" else peak * 1024}
 
+    def alloc_weights(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Anonymous memory aligned to 2 MiB and advised for transparent huge pages (where
+        the OS offers them): a decode step streams every weight once per loop, and huge
+        pages spare the TLB. Measured on ouro-1.4b-shape against the loader's file-backed
+        tensors: docs/benchmarks.md."""
+        nbytes = numel * dtype.itemsize
+        buf = mmap.mmap(-1, nbytes + HUGE_PAGE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so faults map huge pages
+        base = torch.frombuffer(buf, dtype=torch.uint8, count=HUGE_PAGE)  # to learn the address
+        offset = -base.data_ptr() % HUGE_PAGE
+        return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
+
 
 class CpuEagerBackend(EagerBackend):
     name = "cpu_eager"
@@ -40,6 +56,7 @@ class CpuEagerBackend(EagerBackend):
 class CpuDriver(Driver):
     linear_kernels = ("avx2",)
     preferred_linear = "avx2"
+    column_invariant_linears = ("avx2",)
 
     def create_kv_store(self, layout: KVLayout) -> TensorKVStore:
         return TensorKVStore(layout, self.device.torch_device)

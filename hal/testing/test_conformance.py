@@ -192,6 +192,21 @@ def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
             assert worst <= 0, f"{name}: {m}x{k} @ {k}x{n} exceeds the bound by {worst:.3g}"
 
 
+def test_column_invariant_kernels_give_the_same_bits_on_stacked_weights(driver):
+    # The runtime calls these kernels once on q|k|v and gate|up; the claim must hold exactly.
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(12)
+    for name in driver.column_invariant_linears:
+        assert name in ("torch", *driver.linear_kernels), f"{name} is not an offered kernel"
+        linear = driver.linear(name)
+        for m, k in ((1, 64), (5, 203), (40, 256)):
+            x = _rand(m, k, gen=gen).to(dev)
+            parts = [_rand(n, k, gen=gen).to(dev) for n in (96, 37, 37)]
+            stacked = linear(x, torch.cat(parts))
+            separate = torch.cat([linear(x, w) for w in parts], dim=-1)
+            assert torch.equal(stacked, separate), f"{name}: {m} rows x K {k}"
+
+
 def test_greedy_generation_matches_the_cpu_driver(driver, rlt_driver_name, tmp_path_factory):
     # The kit's end-to-end case drives the runtime; hal's library code never imports it.
     from runtime_glue.llm import LLM
