@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import mmap
 import resource
 import sys
 
 import torch
 
+from drivers.cpu import kernels
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import CompletedFence, Device, Driver, Fence
-from hal.types import KVLayout
+from hal.types import AttentionMetadata, KVLayout
+
+logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 
@@ -48,9 +52,35 @@ class CpuDevice(Device):
 
 
 class CpuEagerBackend(EagerBackend):
+    """HF eager order; in deterministic mode, the driver's fp32 kernel over the paged cache
+    (``kernels.paged_attention``), or the shared torch form where it cannot be built."""
+
     name = "cpu_eager"
-    # Measured: within +-2 % of the default mode's throughput (docs/benchmarks.md).
+    # Measured: the mode costs nothing here, or is faster (docs/benchmarks.md).
     deterministic_by_default = True
+
+    def __init__(self) -> None:
+        self._kernel: bool | None = None  # decided at the first deterministic step
+        self._rows: tuple[AttentionMetadata, kernels.RowContexts] | None = None
+
+    def _use_kernel(self) -> bool:
+        if self._kernel is None:
+            try:
+                kernels.load()
+                self._kernel = True
+            except kernels.KernelsUnavailable as exc:
+                logger.warning("deterministic attention runs on torch's kernels: %s", exc)
+                self._kernel = False
+        return self._kernel
+
+    def forward(self, query, plane, kv, meta, scaling):
+        if not (meta.deterministic and isinstance(kv, TensorKVStore) and self._use_kernel()):
+            return super().forward(query, plane, kv, meta, scaling)
+        if self._rows is None or self._rows[0] is not meta:  # built once per step, not per plane
+            self._rows = (meta, kernels.RowContexts.of(meta))
+        return kernels.paged_attention(
+            query, kv.key_cache[plane], kv.value_cache[plane], self._rows[1], scaling
+        )
 
 
 class CpuDriver(Driver):
@@ -64,10 +94,8 @@ class CpuDriver(Driver):
     def linear(self, name: str):
         if name != "avx2":
             return super().linear(name)
-        from drivers.cpu import fast_linear
-
-        fast_linear.load()  # fails here, with what to install, rather than mid-request
-        return fast_linear.bf16_linear
+        kernels.load()  # fails here, with what to install, rather than mid-request
+        return kernels.bf16_linear
 
 
 def create(index: int | None = None) -> CpuDriver:

@@ -21,11 +21,19 @@ def _rand(*shape, gen, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).bfloat16()
 
 
-def _meta(seqs, device):
+def _meta(seqs, device, deterministic=False):
     """seqs: (query_start, query_len, context_len, slots) -> metadata for one step."""
     slices = tuple(SequenceSlice(s, n, c, torch.as_tensor(sl).to(device)) for s, n, c, sl in seqs)
     new = torch.cat([sl.kv_slots[sl.context_len :] for sl in slices])
-    return AttentionMetadata(slices, new, sum(sl.query_len for sl in slices))
+    return AttentionMetadata(slices, new, sum(sl.query_len for sl in slices), deterministic)
+
+
+def _modes(driver):
+    """(backend, deterministic) for every backend, in each mode it supports."""
+    for backend in _backends(driver):
+        yield backend, False
+        if backend.supports_deterministic:
+            yield backend, True
 
 
 def _filled_store(driver, gen):
@@ -101,9 +109,9 @@ def test_attention_is_within_the_stated_bound_of_float64(driver):
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
     seqs = [(0, 5, 11, list(range(16))), (5, 1, 30, list(range(32, 63)))]
-    meta = _meta(seqs, dev)
     q = _rand(1, HEADS, 6, 32, gen=gen, scale=2.0).to(dev)
-    for backend in _backends(driver):
+    for backend, deterministic in _modes(driver):
+        meta = _meta(seqs, dev, deterministic)
         for plane in range(LAYOUT.num_planes):
             out = backend.forward(q, plane, kv, meta, 32**-0.5).double().cpu()
             for s in meta.seqs:
@@ -112,7 +120,8 @@ def test_attention_is_within_the_stated_bound_of_float64(driver):
                 ref = attention_f64(qs.cpu(), k.cpu(), v.cpu(), 32**-0.5, s.context_len)
                 err = (out[s.query_start : s.query_start + s.query_len] - ref).abs().max()
                 bound = ATTENTION_BOUND * float(v.abs().max())
-                assert err <= bound, f"{backend.name} plane {plane}: {err:.4g} > {bound:.4g}"
+                what = f"{backend.name} (deterministic={deterministic}) plane {plane}"
+                assert err <= bound, f"{what}: {err:.4g} > {bound:.4g}"
 
 
 def test_hf_exact_backends_equal_the_shared_hf_order_bit_for_bit(driver):
@@ -133,9 +142,11 @@ def test_attention_reads_only_its_plane_and_its_own_requests_slots(driver):
     gen = torch.Generator().manual_seed(3)
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
-    meta = _meta([(0, 3, 5, list(range(8))), (3, 2, 10, list(range(32, 44)))], dev)
     q = _rand(1, HEADS, 5, 32, gen=gen).to(dev)
-    for backend in _backends(driver):
+    for backend, deterministic in _modes(driver):
+        meta = _meta(
+            [(0, 3, 5, list(range(8))), (3, 2, 10, list(range(32, 44)))], dev, deterministic
+        )
         clean = backend.forward(q, 1, kv, meta, 32**-0.5)
         used = torch.zeros(LAYOUT.num_slots, dtype=torch.bool)
         used[list(range(8)) + list(range(32, 44))] = True
@@ -159,9 +170,9 @@ def test_a_query_never_sees_later_positions(driver):
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
     slots = list(range(20))
-    meta = _meta([(0, 8, 12, slots)], dev)  # positions 12..19
     q = _rand(1, HEADS, 8, 32, gen=gen).to(dev)
-    for backend in _backends(driver):
+    for backend, deterministic in _modes(driver):
+        meta = _meta([(0, 8, 12, slots)], dev, deterministic)  # positions 12..19
         before = backend.forward(q, 0, kv, meta, 32**-0.5)
         later = torch.tensor([16, 17, 18, 19], device=dev)
         junk = _rand(4, 2, 32, gen=gen, scale=5.0).to(dev)
