@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce the CPU figures in docs/benchmarks.md (about 35 minutes on 2 cores).
+# Reproduce the CPU figures in docs/benchmarks.md (about 45 minutes on 2 cores).
 # Usage: benchmarks/run_docs_benchmarks.sh OUT_DIR   (JSON reports land in OUT_DIR)
 set -euo pipefail
 out=${1:?usage: $0 OUT_DIR}
@@ -19,13 +19,17 @@ $B baseline $X --preset ouro-1.4b-shape --input-len 16 --output-len 8 --runs 1 \
     --json "$out/ouro-baseline.json"
 $B determinism --preset ouro-1.4b-shape --input-len 16 --output-len 8 --runs 1 \
     --json "$out/ouro-determinism.json"
-# The avx2 kernel in deterministic mode: the cpu defaults now.
-$B latency --preset ouro-1.4b-shape --linear avx2 --input-lens 64,512 --output-len 16 --runs 1 \
-    --warmup 0 --json "$out/ouro-latency-avx2.json"
-$B baseline --preset ouro-1.4b-shape --linear avx2 --input-len 16 --output-len 8 --runs 1 \
-    --json "$out/ouro-baseline-avx2.json"
-$B baseline --preset small --linear avx2 --input-len 64 --output-len 32 --runs 3 \
-    --json "$out/small-baseline-avx2.json"
+# The cpu defaults (deterministic mode, the driver's kernels): runs A, B and C of the docs.
+$B latency --preset ouro-1.4b-shape --input-lens 64,512 --output-len 16 --runs 1 --warmup 0 \
+    --json "$out/ouro-latency-defaults-a.json"
+$B latency --preset ouro-1.4b-shape --input-lens 64 --output-len 32 --runs 3 --warmup 0 \
+    --json "$out/ouro-latency-defaults-b.json"
+$B latency --preset ouro-1.4b-shape --input-lens 64,512 --output-len 32 --runs 2 --warmup 0 \
+    --json "$out/ouro-latency-defaults-c.json"
+$B baseline --preset ouro-1.4b-shape --input-len 16 --output-len 8 --runs 1 \
+    --json "$out/ouro-baseline-defaults.json"
+$B baseline --preset small --input-len 64 --output-len 32 --runs 3 \
+    --json "$out/small-baseline-defaults.json"
 # Over HTTP (small): a real server, then the openai client against it.
 ${RLT_HAL:-.venv/bin/rlt-hal} serve --model "${RLT_HAL_CACHE:-$HOME/.cache/rlt-hal}/toy-small-seed0" \
     --port 8123 & server=$!

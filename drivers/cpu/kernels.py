@@ -92,9 +92,12 @@ def load() -> ctypes.CDLL:
         raise KernelsUnavailable(f"loading the cpu driver's kernels {path} failed: {exc}") from exc
     lib.rlt_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.rlt_bf16_linear.restype = ctypes.c_int
-    lib.rlt_paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
-    lib.rlt_paged_attention.argtypes += [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
-    lib.rlt_paged_attention.argtypes += [ctypes.c_float]
+    lib.rlt_paged_attention.argtypes = (
+        [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]  # q, its row and head strides
+        + [ctypes.c_void_p] * 6  # k, v, slots, off, len, out
+        + [ctypes.c_int] * 4  # rows, heads, kv_heads, d
+        + [ctypes.c_float]  # scaling
+    )
     lib.rlt_paged_attention.restype = ctypes.c_int
     return lib
 
@@ -156,9 +159,11 @@ def paged_attention(
     kv_heads = key_cache.shape[1]
     if query.stride(-1) != 1:
         query = query.contiguous()
-    for t in (key_cache, value_cache):
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu":
-            raise TypeError("paged_attention takes contiguous bf16 CPU caches")
+    for t in (query, key_cache, value_cache):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            raise TypeError(f"paged_attention takes bf16 CPU tensors, got {t.dtype} on {t.device}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise TypeError("paged_attention takes contiguous K/V caches")
     out = query.new_empty(n, heads * d)
     args = (
         query.data_ptr(),
