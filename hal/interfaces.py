@@ -195,5 +195,13 @@ class Driver:
             f"linear kernel {name!r} is not offered by driver {self.name!r}; choose one of: {known}"
         )
 
+    def deterministic_rms_norm(
+        self,
+    ) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+        """A row-invariant RMSNorm ``f(x, weight, eps)`` for deterministic mode, or None for
+        HF's torch operations. It may raise RuntimeError saying what is missing; the runtime
+        then logs that and uses HF's form. The conformance kit checks it against float64."""
+        return None
+
     def __repr__(self) -> str:
         return f"Driver({self.name!r}, backends={sorted(self.backends)})"

@@ -41,7 +41,7 @@ def choose_linear(weights: list[torch.Tensor], norm, allow_padding: bool = True,
     or when ``norm`` is not.
     """
     x = _inputs(weights[0].shape[1], weights[0])
-    _check(norm, x, "rms_norm")
+    check_rows(norm, x, "rms_norm")
     failure = None
     base = base or F.linear
     for linear in (base, padded(base))[: 2 if allow_padding else 1]:
@@ -57,7 +57,7 @@ def check_row_invariance(weights: list[torch.Tensor], linear) -> None:
     """Raise RuntimeError unless every row of a call equals that row in calls of other sizes."""
     for shape in sorted({tuple(w.shape) for w in weights}):
         w = next(w for w in weights if tuple(w.shape) == shape)
-        _check(lambda rows, w=w: linear(rows, w), _inputs(shape[1], w), f"linear {list(shape)}")
+        check_rows(lambda rows, w=w: linear(rows, w), _inputs(shape[1], w), f"linear {list(shape)}")
 
 
 def _inputs(width: int, like: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,9 @@ def _inputs(width: int, like: torch.Tensor) -> torch.Tensor:
     return torch.randn(max(ROW_COUNTS), width, generator=gen).to(like.dtype).to(like.device)
 
 
-def _check(fn, x: torch.Tensor, what: str) -> None:
+def check_rows(fn, x: torch.Tensor, what: str) -> None:
+    """Raise RuntimeError unless ``fn`` gives each row of ``x`` (16+ rows) the same bits in
+    calls of every size in ROW_COUNTS."""
     full = fn(x)
     for n in ROW_COUNTS:
         for start in (0, len(x) - n):

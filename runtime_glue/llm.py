@@ -135,7 +135,12 @@ class LLM:
         if wanted is False:
             return
         try:
-            self.model.enable_deterministic(allow_padding=wanted is True)
+            norm = self.driver.deterministic_rms_norm()
+        except RuntimeError as exc:
+            logger.warning("deterministic mode uses HF's RMSNorm: %s", exc)
+            norm = None
+        try:
+            self.model.enable_deterministic(allow_padding=wanted is True, norm=norm)
         except RuntimeError as exc:
             if wanted:
                 raise

@@ -115,11 +115,14 @@ class OuroModel:
         # One call on q|k|v and on gate|up instead of one per projection: only for kernels
         # that give the same bits either way (Driver.column_invariant_linears).
         self.stacked = False
+        # HF's RMSNorm, or in deterministic mode a driver's row-invariant kernel.
+        self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
 
-    def enable_deterministic(self, allow_padding: bool = True) -> None:
+    def enable_deterministic(self, allow_padding: bool = True, norm=None) -> None:
         """Row-invariant execution (see runtime_glue.determinism); verified before enabling.
 
         ``allow_padding=False`` refuses the padded linear (it doubles one-row decode calls).
+        ``norm``: a driver's RMSNorm kernel to run instead of HF's torch operations.
         """
         from runtime_glue.determinism import choose_linear
 
@@ -128,14 +131,15 @@ class OuroModel:
                 f"attention backend {self.backend.name!r} does not support deterministic mode"
             )
         w = self.layers[0]
-        eps, norm_w = self.cfg.rms_norm_eps, w.ln
+        eps, norm_w, norm = self.cfg.rms_norm_eps, w.ln, norm or rms_norm
         stacked = [w.qkv, w.gate_up] if self.stacked else []
         self.linear = choose_linear(
             [w.q, w.k, w.v, w.o, w.gate, w.up, w.down, self.lm_head, *stacked],
-            lambda x: rms_norm(x, norm_w, eps),
+            lambda x: norm(x, norm_w, eps),
             allow_padding,
             base=self.linear,
         )
+        self.rms_norm = norm
         self.deterministic = True
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,13 +182,13 @@ class OuroModel:
         return lin(F.silu(gate) * up, w.down)
 
     def layer(self, t: int, li: int, h, cos, sin, meta):
-        w, eps = self.layers[li], self.cfg.rms_norm_eps
-        a = self.attention(t, li, rms_norm(h, w.ln, eps), cos, sin, meta)
-        h = h + rms_norm(a, w.ln_2, eps)
-        m = self.mlp(li, rms_norm(h, w.post_ln, eps))
+        w, eps, norm = self.layers[li], self.cfg.rms_norm_eps, self.rms_norm
+        a = self.attention(t, li, norm(h, w.ln, eps), cos, sin, meta)
+        h = h + norm(a, w.ln_2, eps)
+        m = self.mlp(li, norm(h, w.post_ln, eps))
         if self.recorder is not None:
             self.recorder(t, li, "mlp", m)
-        h = h + rms_norm(m, w.post_ln_2, eps)
+        h = h + norm(m, w.post_ln_2, eps)
         if self.recorder is not None:
             self.recorder(t, li, "residual", h)
         return h
@@ -203,5 +207,5 @@ class OuroModel:
         for t in range(self.cfg.total_ut_steps):
             for li in range(self.cfg.num_hidden_layers):
                 h = self.layer(t, li, h, cos, sin, meta)
-            h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+            h = self.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         return self.linear(h.index_select(0, sample_rows), self.lm_head)  # [R, vocab]

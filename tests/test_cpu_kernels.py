@@ -12,8 +12,9 @@ from drivers.cpu import kernels
 from hal.eager import TensorKVStore
 from hal.testing.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVLayout, SequenceSlice
-from runtime_glue.determinism import check_row_invariance
+from runtime_glue.determinism import check_row_invariance, check_rows
 from runtime_glue.llm import LLM
+from runtime_glue.model import rms_norm
 from runtime_glue.sampling import SamplingParams
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
@@ -108,6 +109,25 @@ def test_deterministic_attention_is_close_to_float64_and_row_invariant(heads, kv
     assert torch.equal(both[3:], _run_attention(kv, q[:, :, 3:12], [(0, 9, 11, other)]))
 
 
+@pytest.mark.parametrize("n, eps, scale", [(64, 1e-6, 3.0), (203, 1e-6, 1.0), (2048, 1e-2, 1e-3)])
+def test_the_norm_kernel_keeps_hfs_roundings_and_is_row_invariant(n, eps, scale):
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(37, n, generator=gen) * scale).bfloat16()
+    w = torch.randn(n, generator=gen).bfloat16()
+    got, hf = kernels.rms_norm(x, w, eps), rms_norm(x, w, eps)
+    # Only the order of the sum of squares differs from HF's: at most one bf16 rounding step.
+    assert ((got.float() - hf.float()).abs() <= hf.float().abs() * 2.0**-7).all()
+    assert (got == hf).float().mean() > 0.99
+    check_rows(lambda rows: kernels.rms_norm(rows, w, eps), x, "rms_norm")
+    assert kernels.rms_norm(x.view(37, 1, n), w, eps).shape == (37, 1, n)
+
+
+def test_deterministic_mode_runs_the_drivers_norm_and_hf_exact_mode_hfs(tiny_ckpt):
+    assert LLM(tiny_ckpt, device="cpu", num_blocks=4).model.rms_norm is kernels.rms_norm
+    hf = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=False)
+    assert hf.model.rms_norm is rms_norm
+
+
 def test_it_rejects_what_it_cannot_compute():
     x, w = _operands(2, 4, 8)
     with pytest.raises(TypeError, match="bf16 CPU tensors"):
@@ -189,6 +209,7 @@ def test_without_a_compiler_the_default_falls_back_to_torch(no_compiler, tiny_ck
     assert "using torch's linear kernel" in caplog.text and "apt install gcc" in caplog.text
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids
     assert "deterministic attention runs on torch's kernels" in caplog.text
+    assert "deterministic mode uses HF's RMSNorm" in caplog.text and llm.model.rms_norm is rms_norm
     with pytest.raises(kernels.KernelsUnavailable):  # asked for by name: an error
         LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="avx2")
 

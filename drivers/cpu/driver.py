@@ -97,6 +97,10 @@ class CpuDriver(Driver):
         kernels.load()  # fails here, with what to install, rather than mid-request
         return kernels.bf16_linear
 
+    def deterministic_rms_norm(self):
+        kernels.load()
+        return kernels.rms_norm
+
 
 def create(index: int | None = None) -> CpuDriver:
     if index not in (None, 0):

@@ -8,8 +8,10 @@
 - ``paged_attention`` (``csrc/attention.c``): deterministic-mode attention read straight from
   the bf16 paged cache in fp32, one call per plane for every row of the step, instead of a
   gather, an fp32 copy of the whole context and two matmuls per request and row.
+- ``rms_norm`` (``csrc/rms_norm.c``): deterministic-mode RMSNorm in one call instead of
+  HF's ten torch operations (a decode step runs 4 per layer and loop).
 
-Neither is HF-exact (the sums run in another order than torch's), but both are
+None is HF-exact (the sums run in another order than torch's), but all are
 row-invariant by construction, so deterministic mode can use them. The shared library is
 built on first use with the system C compiler into ``$RLT_HAL_CACHE/kernels`` (default
 ~/.cache/rlt-hal), named by a hash of the sources and flags, and loaded with ctypes into a
@@ -35,7 +37,7 @@ from hal.interfaces import KERNEL_PREFIX
 from hal.types import AttentionMetadata
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "bf16_linear.c", CSRC / "attention.c")
+SOURCES = (CSRC / "bf16_linear.c", CSRC / "attention.c", CSRC / "rms_norm.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -99,6 +101,8 @@ def load() -> ctypes.CDLL:
         + [ctypes.c_float]  # scaling
     )
     lib.rlt_paged_attention.restype = ctypes.c_int
+    lib.rlt_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    lib.rlt_rms_norm.restype = None
     return lib
 
 
@@ -184,3 +188,15 @@ def paged_attention(
     if n and _run("paged_attention", load().rlt_paged_attention, args):
         raise MemoryError("cpu paged_attention: no scratch memory")
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm (two bf16 roundings) over the last dim, its sum of squares in a fixed order."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise TypeError(f"rms_norm takes bf16 CPU tensors, got {x.dtype} and {weight.dtype}")
+    n = weight.shape[0]
+    rows = x.reshape(-1, n).contiguous()
+    out = torch.empty_like(rows)
+    args = (rows.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), rows.shape[0], n, eps)
+    _run("rms_norm", load().rlt_rms_norm, args)
+    return out.view(x.shape)

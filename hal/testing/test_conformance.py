@@ -218,6 +218,28 @@ def test_column_invariant_kernels_give_the_same_bits_on_stacked_weights(driver):
             assert torch.equal(stacked, separate), f"{name}: {m} rows x K {k}"
 
 
+def test_a_deterministic_rms_norm_is_close_to_float64_and_row_invariant(driver):
+    try:
+        norm = driver.deterministic_rms_norm()
+    except RuntimeError as exc:
+        pytest.skip(f"the driver's RMSNorm kernel cannot run here: {exc}")
+    if norm is None:
+        pytest.skip("this driver runs HF's RMSNorm")
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(13)
+    for n, eps, scale in ((64, 1e-6, 3.0), (203, 1e-5, 1.0), (256, 1e-2, 1e-3)):
+        x, w = _rand(16, n, gen=gen, scale=scale).to(dev), _rand(n, gen=gen).to(dev)
+        got = norm(x, w, eps)
+        assert got.shape == x.shape and got.dtype == torch.bfloat16
+        xd = x.double().cpu()
+        exact = w.double().cpu() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+        # HF's form rounds twice to bf16 (the normalised row, then the product): 2^-8 each.
+        err = ((got.double().cpu() - exact).abs() - exact.abs() * 2.0**-7).max().item()
+        assert err <= 1e-30, f"RMSNorm over {n} (eps {eps}) exceeds the bound by {err:.3g}"
+        for rows in (1, 3, 16):  # each row's bits depend on that row alone
+            assert torch.equal(norm(x[-rows:], w, eps), got[-rows:]), f"{rows} rows of {n}"
+
+
 def test_greedy_generation_matches_the_cpu_driver(driver, rlt_driver_name, tmp_path_factory):
     # The kit's end-to-end case drives the runtime; hal's library code never imports it.
     from runtime_glue.llm import LLM
