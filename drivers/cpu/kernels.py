@@ -38,6 +38,7 @@ from hal.types import AttentionMetadata
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "bf16_linear.c", CSRC / "attention.c", CSRC / "rms_norm.c")
+HEADERS = (CSRC / "bf16.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -57,7 +58,7 @@ def _compiler() -> str:
 
 def _library_path(cc: str) -> Path:
     key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in SOURCES) + " ".join((cc, *FLAGS)).encode()
+        b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join((cc, *FLAGS)).encode()
     )
     return cache_dir() / "kernels" / f"rlt_cpu_kernels-{key.hexdigest()[:16]}.so"
 

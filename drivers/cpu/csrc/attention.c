@@ -11,39 +11,9 @@
  * batch with other requests (row invariance, as deterministic mode requires). Rows x KV heads
  * are split over the OpenMP threads; query heads sharing a KV head (GQA) read each K/V row once.
  */
-#include <immintrin.h>
+#include "bf16.h"
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-
-static inline __m256 load_bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    __m128 s = _mm_add_ps(lo, hi);
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-    return _mm_cvtss_f32(s);
-}
 
 /* q (fp32, d) . k (bf16, d) */
 static inline float dot(const float *q, const uint16_t *k, int d) {

@@ -11,42 +11,12 @@
  * input rows (8 accumulators; a one-row call still runs 4 independent FMA chains), and N is
  * split across the OpenMP threads that torch also uses. (A 2 x 4 block measured the same.)
  */
-#include <immintrin.h>
-#include <stdint.h>
+#include "bf16.h"
 #include <stdlib.h>
-#include <string.h>
 
 #define NB 4   /* weight rows per register block */
 #define MB 2   /* input rows per register block */
 #define MC 32  /* input rows per cache block (fp32, kept in L2) */
-
-static inline __m256 load_bf16x8(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    __m128 s = _mm_add_ps(lo, hi);                 /* lanes i + i+4 */
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));        /* (0+4)+(2+6), (1+5)+(3+7) */
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55)); /* + the other pair */
-    return _mm_cvtss_f32(s);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* The tail (K % 8) and the final sum, identical for every (m, n). */
 static inline float finish(__m256 acc, const float *x, const uint16_t *w, int k0, int K) {
