@@ -7,6 +7,7 @@ Errors name the file and the tensor at fault.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import struct
@@ -14,7 +15,6 @@ from pathlib import Path
 
 import attrs
 import torch
-from safetensors import safe_open
 
 from hal.interfaces import Device
 from runtime_glue.config import OuroConfig
@@ -35,6 +35,8 @@ class TensorEntry:
     file: Path
     dtype: str  # safetensors spelling: BF16, F32, ...
     shape: tuple[int, ...]
+    offset: int = 0  # where the tensor's bytes start in the file
+    nbytes: int = 0
 
 
 def expected_tensors(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:
@@ -110,7 +112,9 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
                 f"{path}: tensor {name!r} has {end - start} bytes, which does "
                 f"not match dtype {info['dtype']} and shape {list(shape)}"
             )
-        entries[name] = TensorEntry(name, path, info["dtype"], shape)
+        entries[name] = TensorEntry(
+            name, path, info["dtype"], shape, 8 + header_len + start, end - start
+        )
     return entries
 
 
@@ -202,6 +206,22 @@ def _groups(entries: dict[str, TensorEntry], cfg: OuroConfig) -> dict[str, list[
     return groups
 
 
+def _read_into(f, entry: TensorEntry, dest: torch.Tensor) -> None:
+    """Read one tensor's bytes straight into ``dest``, through a host tensor when ``dest`` is
+    on a device. Plain reads, not a file mapping: peak memory stays at the weights."""
+    host = dest if dest.device.type == "cpu" else torch.empty(dest.shape, dtype=dest.dtype)
+    buf = memoryview((ctypes.c_char * entry.nbytes).from_address(host.data_ptr())).cast("B")
+    f.seek(entry.offset)
+    done = 0
+    while done < entry.nbytes:
+        got = f.readinto(buf[done:])
+        if not got:
+            raise CheckpointError(f"{entry.file}: tensor {entry.name!r} is truncated")
+        done += got
+    if host is not dest:
+        dest.copy_(host)
+
+
 def load_weights(
     model_dir: str | Path, cfg: OuroConfig, device: Device, progress: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -229,18 +249,18 @@ def load_weights(
     for name, members in groups.items():
         if len(members) > 1:
             weights[name] = view(members[0], sum(entries[m].shape[0] for m in members))
-    by_file: dict[Path, list[str]] = {}
-    for name, e in entries.items():
-        by_file.setdefault(e.file, []).append(name)
+    by_file: dict[Path, list[TensorEntry]] = {}
+    for e in entries.values():
+        by_file.setdefault(e.file, []).append(e)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(entries), desc="loading weights", unit="tensor")
-    for path, names in sorted(by_file.items()):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in names:
-                weights[name].copy_(f.get_tensor(name))
+    for path, file_entries in sorted(by_file.items()):
+        with path.open("rb", buffering=0) as f:
+            for e in sorted(file_entries, key=lambda e: e.offset):  # one sequential pass
+                _read_into(f, e, weights[e.name])
                 if bar is not None:
                     bar.update()
     if bar is not None:
