@@ -35,8 +35,8 @@ class TensorEntry:
     file: Path
     dtype: str  # safetensors spelling: BF16, F32, ...
     shape: tuple[int, ...]
-    offset: int = 0  # where the tensor's bytes start in the file
-    nbytes: int = 0
+    offset: int  # where the tensor's bytes start in the file
+    nbytes: int
 
 
 def expected_tensors(cfg: OuroConfig) -> dict[str, tuple[int, ...]]:

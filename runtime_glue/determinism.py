@@ -36,9 +36,9 @@ def padded(linear):
 def choose_linear(weights: list[torch.Tensor], norm, allow_padding: bool = True, base=None):
     """The cheapest row-invariant form of the ``base`` kernel for these weight shapes.
 
-    ``base`` (default ``F.linear``) itself when it is already row-invariant (padding would double the cost of
-    one-row decode calls), else its padded variant if allowed; RuntimeError when neither is,
-    or when ``norm`` is not.
+    ``base`` (default ``F.linear``) itself when it is already row-invariant (padding would
+    double the cost of one-row decode calls), else its padded variant if allowed;
+    RuntimeError when neither is, or when ``norm`` is not.
     """
     x = _inputs(weights[0].shape[1], weights[0])
     check_rows(norm, x, "rms_norm")

@@ -1,5 +1,5 @@
-"""The cpu driver's kernels (the ``avx2`` projection and deterministic attention): accuracy,
-row invariance, their place in the runtime and their errors. (Their speed is measured in
+"""The cpu driver's kernels (the ``avx2`` projection, deterministic attention and RMSNorm):
+accuracy, row invariance, their place in the runtime and their errors. (Their speed is measured in
 docs/benchmarks.md, not here.)"""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 - ``rms_norm`` (``csrc/rms_norm.c``): deterministic-mode RMSNorm in one call instead of
   HF's ten torch operations (a decode step runs 4 per layer and loop).
 
-None is HF-exact (the sums run in another order than torch's), but all are
+None promises HF's bits (sums run in another order than torch's), but all are
 row-invariant by construction, so deterministic mode can use them. The shared library is
 built on first use with the system C compiler into ``$RLT_HAL_CACHE/kernels`` (default
 ~/.cache/rlt-hal), named by a hash of the sources and flags, and loaded with ctypes into a
@@ -145,7 +145,7 @@ class RowContexts:
                 off[s.query_start + i], lens[s.query_start + i] = base, s.context_len + i + 1
             base += s.kv_len
         slots = torch.cat([s.kv_slots for s in meta.seqs]) if meta.seqs else torch.zeros(0)
-        return cls(slots.long().contiguous(), torch.tensor(off), torch.tensor(lens))
+        return cls(slots.long(), torch.tensor(off), torch.tensor(lens))
 
 
 def paged_attention(

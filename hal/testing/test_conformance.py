@@ -182,10 +182,7 @@ def test_a_query_never_sees_later_positions(driver):
         assert not torch.equal(after[4:], before[4:])
 
 
-# -- end to end ----------------------------------------------------------------------------
-
-
-# -- projection kernels ------------------------------------------------------------------
+# -- projection and norm kernels -------------------------------------------------------------
 
 
 def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
@@ -238,6 +235,9 @@ def test_a_deterministic_rms_norm_is_close_to_float64_and_row_invariant(driver):
         assert err <= 1e-30, f"RMSNorm over {n} (eps {eps}) exceeds the bound by {err:.3g}"
         for rows in (1, 3, 16):  # each row's bits depend on that row alone
             assert torch.equal(norm(x[-rows:], w, eps), got[-rows:]), f"{rows} rows of {n}"
+
+
+# -- end to end ----------------------------------------------------------------------------
 
 
 def test_greedy_generation_matches_the_cpu_driver(driver, rlt_driver_name, tmp_path_factory):

@@ -1,6 +1,6 @@
 /* y = x @ w.T for bf16 x [M, K], w [N, K], y [M, N]: fp32 accumulation, AVX2 + FMA.
  *
- * Built and loaded by drivers/cpu/fast_linear.py. Each output y[m, n] is computed the same
+ * Built and loaded by drivers/cpu/kernels.py. Each output y[m, n] is computed the same
  * way whatever M is and wherever row m falls in the call: one 8-lane fp32 accumulator
  * walked over k in order with FMA, then a fixed horizontal sum, then the scalar tail, then
  * round-to-nearest-even to bf16. So the kernel is row-invariant by construction (the
