@@ -33,8 +33,16 @@ def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
     assert _positive(report["floors"]["bandwidth"]["read_Bps"])
     assert set(report["floors"]["gemm_flops"]) == {"1", "8", "20"}
     assert report["kv_pool"]["tokens"] >= 24 and _positive(report["kv_pool"]["bytes_per_token"])
-    assert report["python_overhead"]["decode_step_wall_s"] > 0
+    overhead = report["python_overhead"]
+    assert overhead["decode_step_wall_s"] > 0 and _positive(overhead["kernel_self_time_s"])
+    assert overhead["overhead_s"] == max(
+        overhead["decode_step_wall_s"] - overhead["kernel_self_time_s"], 0.0
+    )
+    assert _positive(report["peak_memory"]["peak_rss_bytes"])
     assert report["machine"]["torch"] and report["device"] == "cpu"
+    # The cpu default mode; the GEMM rate (the prefill floor) uses the run's own kernel.
+    assert report["mode"] == "deterministic" and report["linear"] in ("avx2", "torch")
+    assert report["floors"]["gemm_kernel"] == report["linear"]
     assert [r["input_len"] for r in report["results"]] == [8, 20]
     for r in report["results"]:
         for key in ("ttft_s", "tpot_s", "output_tok_s"):
@@ -60,6 +68,7 @@ def test_bench_baseline_compares_with_the_hf_module_reference(tmp_path):
         assert _positive(level["rlt_hal_tok_s"]) and _positive(level["baseline_tok_s"])
         assert abs(level["ratio"] - level["rlt_hal_tok_s"] / level["baseline_tok_s"]) < 1e-9
     assert "HF-module reference" in report["baseline"]
+    assert report["mode"] == "deterministic" and report["linear"] in ("avx2", "torch")
     assert "| c3 |" in table
 
 
