@@ -2,6 +2,7 @@
 
 from hal.hookspecs import hookimpl, hookspec
 from hal.interfaces import AttentionBackend, CompletedFence, Device, Driver, Fence, KVStore
+from hal.kernels import Kernel, KernelUnavailable
 from hal.registry import DEVICE_ENV_VAR, Registry, Selection, default_registry, parse_device
 from hal.types import AttentionMetadata, DriverSpec, KVLayout, ProbeResult, SequenceSlice
 
@@ -16,6 +17,8 @@ __all__ = [
     "Fence",
     "KVLayout",
     "KVStore",
+    "Kernel",
+    "KernelUnavailable",
     "ProbeResult",
     "Registry",
     "Selection",

@@ -63,6 +63,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scaling: float,
     attend=eager_attention,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Per-request attention over K/V gathered from ``plane`` of the paged cache.
 
@@ -76,7 +77,7 @@ def paged_attention(
         start, q_len = seq.query_start, seq.query_len
         q = query[:, :, start : start + q_len, :]
         k, v = kv.gather(plane, seq.kv_slots)
-        if meta.deterministic:
+        if deterministic:
             row_invariant_attention(q, k, v, scaling, seq.context_len, out[start : start + q_len])
             continue
         o = attend(q, k, v, scaling, seq.context_len)
@@ -108,9 +109,9 @@ def row_invariant_attention(q, k, v, scaling: float, context_len: int, out: torc
         out[i] = torch.matmul(p, vf[:, :n]).view(heads * d)
 
 
-def paged_eager_attention(query, plane, kv, meta, scaling) -> torch.Tensor:
+def paged_eager_attention(query, plane, kv, meta, scaling, deterministic=False) -> torch.Tensor:
     """HF-order eager attention over the paged cache (what every ``*_eager`` backend runs)."""
-    return paged_attention(query, plane, kv, meta, scaling, eager_attention)
+    return paged_attention(query, plane, kv, meta, scaling, eager_attention, deterministic)
 
 
 class EagerBackend(AttentionBackend):
@@ -120,8 +121,8 @@ class EagerBackend(AttentionBackend):
     hf_exact = True
     supports_deterministic = True
 
-    def forward(self, query, plane, kv, meta, scaling):
-        return paged_eager_attention(query, plane, kv, meta, scaling)
+    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        return paged_eager_attention(query, plane, kv, meta, scaling, deterministic)
 
 
 class TensorKVStore(KVStore):

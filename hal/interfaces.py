@@ -7,18 +7,13 @@ or raise NotImplementedError. Nothing here imports a driver or the runtime.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
+from hal.kernels import TORCH_KERNELS, Kernel
 from hal.types import AttentionMetadata, KVLayout
-
-# Kernels called outside aten (ctypes, custom launchers) run inside
-# ``torch.profiler.record_function(KERNEL_PREFIX + name)``, so that benchmarks count their time
-# as kernel time rather than Python overhead.
-KERNEL_PREFIX = "rlt_kernel::"
 
 
 class Fence(abc.ABC):
@@ -117,8 +112,9 @@ class AttentionBackend(abc.ABC):
     name: ClassVar[str]
     # True when the backend reproduces HF eager's rounding order bit for bit.
     hf_exact: ClassVar[bool] = False
-    # True when the backend honours ``meta.deterministic`` (row results independent of the
-    # step's other rows and of how a prompt was chunked).
+    # True when the backend honours ``forward(..., deterministic=True)``: each row computed
+    # alone over exactly its own context, so its bits depend on neither the step's other rows
+    # nor how a prompt was chunked.
     supports_deterministic: ClassVar[bool] = False
     # True when deterministic mode was measured to cost next to nothing on this backend, so
     # the runtime turns it on unless told otherwise (see docs/determinism.md).
@@ -132,6 +128,7 @@ class AttentionBackend(abc.ABC):
         kv: KVStore,
         meta: AttentionMetadata,
         scaling: float,
+        deterministic: bool = False,
     ) -> torch.Tensor:
         """``query``: ``[1, heads, N, head_dim]`` (HF layout, N = all tokens of the step).
 
@@ -140,7 +137,11 @@ class AttentionBackend(abc.ABC):
 
 
 class Driver:
-    """A device with its attention backends and its KV store factory."""
+    """A device with its attention backends, its KV store factory and its kernels.
+
+    ``kernels`` are the driver's own implementations of the ops in ``hal.kernels.OPS``; torch's
+    forms (``hal.kernels.TORCH_KERNELS``, named "torch") are always offered besides them.
+    """
 
     def __init__(
         self,
@@ -148,6 +149,7 @@ class Driver:
         device: Device,
         backends: Mapping[str, AttentionBackend],
         default_backend: str,
+        kernels: Iterable[Kernel] = (),
     ) -> None:
         if default_backend not in backends:
             raise ValueError(f"default backend {default_backend!r} is not among {sorted(backends)}")
@@ -155,7 +157,10 @@ class Driver:
         self.device = device
         self.backends = dict(backends)
         self.default_backend = default_backend
-        self.selection: object | None = None  # hal.registry.Selection, set by Registry.create
+        self.kernels: tuple[Kernel, ...] = (*TORCH_KERNELS, *kernels)
+        names = [(k.op, k.name) for k in self.kernels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"driver {name!r} offers two kernels with one (op, name): {names}")
         self.label = name  # what reports and logs call it ("npu (emulated ...)", "cuda:1")
 
     def backend(self, name: str | None = None) -> AttentionBackend:
@@ -171,37 +176,18 @@ class Driver:
     def create_kv_store(self, layout: KVLayout) -> KVStore:
         raise NotImplementedError(f"driver {self.name!r} does not provide a KV store")
 
-    # Names of the matmul kernels ``linear`` offers besides "torch" (``F.linear``, HF-exact).
-    linear_kernels: ClassVar[tuple[str, ...]] = ()
-    # The kernel the runtime picks when the run does not promise HF's bits (deterministic
-    # mode) and the user named none.
-    preferred_linear: ClassVar[str] = "torch"
-    # Kernels whose every output column is computed alone, so that one call on stacked
-    # weights (q|k|v, gate|up) gives the bits of separate calls; the model then makes one
-    # call where it would make three. The conformance kit verifies the claim.
-    column_invariant_linears: ClassVar[tuple[str, ...]] = ()
+    def kernels_for(self, op: str) -> tuple[Kernel, ...]:
+        """Every kernel offered for ``op``, torch's first."""
+        return tuple(k for k in self.kernels if k.op == op)
 
-    def linear(self, name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The projection kernel ``name``: ``f(x [..., K], w [N, K]) -> [..., N]``.
-
-        Drivers override this for the names in ``linear_kernels``. Such kernels need not be
-        HF-exact, but must pass the conformance kit's float64 bound; they may raise
-        RuntimeError saying what to install when they cannot run here.
-        """
-        if name == "torch":
-            return F.linear
-        known = ", ".join(("torch", *self.linear_kernels))
+    def kernel(self, op: str, name: str) -> Kernel:
+        for k in self.kernels_for(op):
+            if k.name == name:
+                return k
+        known = ", ".join(k.name for k in self.kernels_for(op))
         raise ValueError(
-            f"linear kernel {name!r} is not offered by driver {self.name!r}; choose one of: {known}"
+            f"{op} kernel {name!r} is not offered by driver {self.name!r}; choose one of: {known}"
         )
-
-    def deterministic_rms_norm(
-        self,
-    ) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
-        """A row-invariant RMSNorm ``f(x, weight, eps)`` for deterministic mode, or None for
-        HF's torch operations. It may raise RuntimeError saying what is missing; the runtime
-        then logs that and uses HF's form. The conformance kit checks it against float64."""
-        return None
 
     def __repr__(self) -> str:
         return f"Driver({self.name!r}, backends={sorted(self.backends)})"

@@ -124,9 +124,7 @@ class Registry:
         selection = self.select(device)
         if selection.index is not None:
             options.setdefault("index", selection.index)
-        driver = selection.spec.create(**options)
-        driver.selection = selection
-        return driver
+        return selection.spec.create(**options)
 
 
 _default: Registry | None = None

@@ -96,6 +96,3 @@ class AttentionMetadata:
     seqs: tuple[SequenceSlice, ...]
     slot_mapping: torch.Tensor  # [N] int64: cache slot each new token's K/V is written to
     num_tokens: int
-    # Deterministic mode: every query row is computed alone over exactly its own context, so
-    # its bits cannot depend on chunking or on the other rows of the step.
-    deterministic: bool = False

@@ -22,9 +22,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", help="e.g. cpu_eager, cuda_sdpa, ascend_eager")
     p.add_argument(
         "--linear",
-        help="projection kernel: torch (F.linear, HF-exact) or one the driver offers, e.g. "
-        "avx2 on cpu (not HF-exact). Default: torch in HF-exact mode, else the driver's "
-        "preferred kernel (avx2 on cpu)",
+        help="one projection kernel for every projection: torch (F.linear, HF-exact) or one the "
+        "driver offers, e.g. avx2 or avx512bf16 on cpu (not HF-exact). Default: torch in "
+        "HF-exact mode; in deterministic mode the fastest that keeps the mode, measured here "
+        "(rlt-hal plan shows the choice)",
     )
     p.add_argument("--block-size", type=int, default=128)
     pool = p.add_mutually_exclusive_group()
@@ -60,7 +61,8 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
         deterministic=args.deterministic,
         linear=args.linear,
     )
-    print(f"{llm.driver.label}, {llm.mode} mode: {llm.kv_summary}", file=sys.stderr)
+    print(f"{llm.driver.label}: {llm.plan.describe()}", file=sys.stderr)
+    print(llm.kv_summary, file=sys.stderr)
     return llm
 
 
@@ -83,6 +85,26 @@ def cmd_drivers(args: argparse.Namespace) -> int:
         state = "available" if r["available"] else "unavailable"
         state += f": {r['reason']}" if r["reason"] else ""
         print(f"{r['name']:<8} {state}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The execution plan for a model here, with the measurements behind it."""
+    llm = build_llm(args, progress=False)
+    plan = llm.plan
+    if args.json:
+        print(json.dumps({"device": llm.driver.label, **plan.to_json()}, indent=2))
+        return 0
+    print(plan.describe())
+    for note in plan.notes:
+        print(f"  {note}")
+    if plan.measurements:
+        print("\n| op | rows of | kernel | call rows | ms | chosen |\n|---|---|---|---|---|---|")
+        for m in plan.measurements:
+            chosen = "yes" if plan.choice(m.kind, m.op).kernel == m.kernel else ""
+            print(
+                f"| {m.op} | {m.kind} | {m.kernel} | {m.rows} | {m.seconds * 1e3:.3f} | {chosen} |"
+            )
     return 0
 
 
@@ -217,6 +239,15 @@ def _add_drivers(sub) -> None:
     p.set_defaults(func=cmd_drivers)
 
 
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="the execution plan (mode, kernel per op) for a model here, and why"
+    )
+    _add_engine_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
 def _add_toy_checkpoint(sub) -> None:
     p = sub.add_parser("toy-checkpoint", help="write a small random Ouro checkpoint")
     p.add_argument("dir")
@@ -305,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drivers(sub)
     _add_toy_checkpoint(sub)
     _add_generate(sub)
+    _add_plan(sub)
     _add_serve(sub)
     _add_parity(sub)
     add_parsers(sub)

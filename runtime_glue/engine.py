@@ -16,10 +16,10 @@ from collections import deque
 import attrs
 import torch
 
-from hal.interfaces import Device
+from hal.interfaces import Device, Fence
 from hal.types import AttentionMetadata, SequenceSlice
 from runtime_glue.kv_manager import BlockAllocator
-from runtime_glue.model import OuroModel
+from runtime_glue.model import OuroModel, StepInputs
 from runtime_glue.request import Request, RequestOutput, Status
 from runtime_glue.sampling import SamplingParams, sample
 
@@ -60,7 +60,7 @@ class StepBuffers:
             return torch.empty(size, dtype=torch.int64, pin_memory=pin)
 
         self.input_ids, self.positions, self.sample_rows = buf(), buf(), buf()
-        self.fence = None
+        self.fence: Fence | None = None
         self.fence_waits = 0
 
     def acquire(self) -> StepBuffers:
@@ -224,6 +224,9 @@ class Engine:
             self._admit(req, blocks)
             plan.append((req, n))
             budget -= n
+        # Prompt positions first: the execution plan may run them on other kernels than
+        # generated positions (runtime_glue.plan), and a step's prompt rows form one block.
+        plan.sort(key=lambda entry: not entry[0].in_prefill)
         return plan
 
     def _admit(self, req: Request, blocks: list[int]) -> None:
@@ -235,7 +238,7 @@ class Engine:
         req.status = Status.RUNNING
         self.running.append(req)
 
-    def _build_step(self, plan: list[tuple[Request, int]]):
+    def _build_step(self, plan: list[tuple[Request, int]]) -> tuple[StepBuffers, StepInputs, list]:
         total = sum(n for _, n in plan)
         buf = self.buffers[self.num_steps % len(self.buffers)].acquire()
         ids, pos, rows = buf.input_ids, buf.positions, buf.sample_rows
@@ -243,32 +246,34 @@ class Engine:
         slot_parts: list[torch.Tensor] = []
         sampled: list[Request] = []
         tokens: list[int] = []
-        start = 0
+        start = prompt_rows = prompt_samples = 0
         for req, n in plan:
             ctx, slots = req.num_computed, req.slots
             assert slots is not None, "a running request always has its slots"
+            if req.in_prefill:
+                prompt_rows += n
             tokens.extend(req.tokens(ctx, ctx + n))
             torch.arange(ctx, ctx + n, out=pos[start : start + n])
             seqs.append(SequenceSlice(start, n, ctx, slots[: ctx + n]))
             slot_parts.append(slots[ctx : ctx + n])
             if ctx + n == req.num_tokens:
                 rows[len(sampled)] = start + n - 1
+                prompt_samples += req.in_prefill
                 sampled.append(req)
             start += n
         ids[:total] = torch.tensor(tokens, dtype=torch.int64)
         dev = self.device.torch_device
         nonblock = self.device.pin_memory
-        meta = AttentionMetadata(
-            tuple(seqs), torch.cat(slot_parts), total, deterministic=self.model.deterministic
-        )
-        return (
-            buf,
+        step = StepInputs(
             ids[:total].to(dev, non_blocking=nonblock),
             pos[:total].to(dev, non_blocking=nonblock),
+            AttentionMetadata(tuple(seqs), torch.cat(slot_parts), total),
             rows[: len(sampled)].to(dev, non_blocking=nonblock),
-            meta,
-            sampled,
+            prompt_rows,
+            prompt_samples,
+            max(req.num_computed + n for req, n in plan) - 1,
         )
+        return buf, step, sampled
 
     # -- the step --------------------------------------------------------------------------
 
@@ -278,9 +283,9 @@ class Engine:
             if self.waiting and not self.running:
                 self.allocator.reclaim(wait=True)
             return []
-        buf, ids, pos, rows, meta, sampled = self._build_step(plan)
+        buf, inputs, sampled = self._build_step(plan)
         try:
-            logits = self.model.forward(ids, pos, meta, rows).float().cpu()
+            logits = self.model.forward(inputs).float().cpu()
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("step %d failed", self.num_steps)
             fence = self.device.record_fence()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from runtime_glue.config import OuroConfig
 from runtime_glue.engine import Engine, EngineConfig, InvalidRequest
 from runtime_glue.kv_manager import BlockAllocator
 from runtime_glue.model import OuroModel
+from runtime_glue.plan import ExecutionPlan, resolve
 from runtime_glue.sampling import SamplingParams
 from runtime_glue.tokenizer import load_tokenizer
 
@@ -89,71 +91,46 @@ class LLM:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.driver = (registry or default_registry()).create(device, **(driver_options or {}))
         self.driver.device.initialize()
-        backend = self.driver.backend(attention_backend)
+        self.driver.backend(attention_backend)  # an unknown name fails before loading weights
         weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
         cfg = self.config
         probe = KVLayout(cfg.num_planes, 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
         blocks = pool_blocks(probe.bytes_per_token, block_size, num_blocks, kv_cache_memory)
         self.kv_layout = attrs.evolve(probe, num_blocks=blocks)
+        self.weights = weights
+        self.engine_config = EngineConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk_size)
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
         logger.info("%s", self.kv_summary)
-        self.model = OuroModel(cfg, weights, backend, self.kv_store)
-        if deterministic is None and not (
-            backend.supports_deterministic and backend.deterministic_by_default
-        ):
-            deterministic = False
-        # Now True: the mode or an error; None: the mode by default, off if its check fails.
-        self._set_linear(linear, exact=deterministic is False)
-        self._set_deterministic(deterministic)
+        self._build(resolve(self.driver, cfg, weights, attention_backend, deterministic, linear))
+        self._next_id = 0
+
+    def _build(self, plan: ExecutionPlan) -> None:
+        self.plan = plan
+        logger.info("execution plan: %s", plan.describe())
+        self.model = OuroModel(self.config, self.weights, plan, self.driver, self.kv_store)
         self.engine = Engine(
             self.model,
             self.driver.device,
-            BlockAllocator(blocks, block_size),
-            EngineConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk_size),
-            eos_token_ids=cfg.eos_token_ids,
+            BlockAllocator(self.kv_layout.num_blocks, self.kv_layout.block_size),
+            self.engine_config,
+            eos_token_ids=self.config.eos_token_ids,
             tokenizer=self.tokenizer,
         )
-        self._next_id = 0
 
-    def _set_linear(self, name: str | None, exact: bool) -> None:
-        """The named kernel; unnamed, torch's for an HF-exact run, else the driver's choice
-        (torch's, logged, when that one cannot run here)."""
-        chosen = name or ("torch" if exact else self.driver.preferred_linear)
-        try:
-            self.model.linear = self.driver.linear(chosen)
-        except RuntimeError as exc:
-            if name:
-                raise
-            logger.warning("using torch's linear kernel: %s", exc)
-            chosen = "torch"
-            self.model.linear = self.driver.linear(chosen)
-        self.linear = chosen
-        self.model.stacked = chosen in self.driver.column_invariant_linears
-
-    def _set_deterministic(self, wanted: bool | None) -> None:
-        """True: the mode or an error. None: the mode, off (logged) if its check fails."""
-        if wanted is False:
-            return
-        try:
-            norm = self.driver.deterministic_rms_norm()
-        except RuntimeError as exc:
-            logger.warning("deterministic mode uses HF's RMSNorm: %s", exc)
-            norm = None
-        try:
-            self.model.enable_deterministic(allow_padding=wanted is True, norm=norm)
-        except RuntimeError as exc:
-            if wanted:
-                raise
-            logger.warning("deterministic mode is off by default here: %s", exc)
+    def variant(self, deterministic: bool | None = None, linear: str | None = None) -> LLM:
+        """The same weights and KV pool under the plan these flags resolve to (benchmarks
+        compare plans this way). Run one of the two at a time: they share the KV pool."""
+        other = copy.copy(self)
+        plan = resolve(
+            self.driver, self.config, self.weights, self.plan.attention, deterministic, linear
+        )
+        other._build(plan)
+        return other
 
     @property
     def mode(self) -> str:
         """The contract kept: "deterministic", "hf-exact", or "fast" (neither)."""
-        if self.model.deterministic:
-            return "deterministic"
-        if self.linear == "torch" and self.model.backend.hf_exact:
-            return "hf-exact"
-        return "fast"
+        return self.plan.mode
 
     @property
     def kv_summary(self) -> str:

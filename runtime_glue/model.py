@@ -1,4 +1,4 @@
-"""The Ouro forward pass, written against the HAL.
+"""The Ouro forward pass, written against the HAL and built from an execution plan.
 
     h = embed(ids)
     for t in 0..T-1:                       # loops share the L layers' weights
@@ -9,8 +9,10 @@
     logits = lm_head(h)                    # last loop, sampled rows only
 
 All tokens of a step (every request, prefill and decode alike) travel as one flat batch of N
-rows. Shapes and rounding follow Hugging Face's Llama modules so that, per request, the
-tensors handed to every kernel match HF's ([1, heads, S, d] for attention).
+rows, prompt positions first (``StepInputs.prompt_rows``). Every row-wise op runs the kernel
+the plan names for its rows' kind (``runtime_glue.plan``). Shapes and rounding follow Hugging
+Face's Llama modules so that, per request, the tensors handed to every kernel match HF's
+([1, heads, S, d] for attention).
 """
 
 from __future__ import annotations
@@ -21,24 +23,32 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from hal.interfaces import AttentionBackend, KVStore
+from hal.interfaces import Driver, KVStore
 from hal.types import AttentionMetadata
 from runtime_glue.config import OuroConfig
+from runtime_glue.plan import KINDS, OPS, ExecutionPlan, hal_op, row_function
 
 # recorder(loop, layer, op, tensor): sees intermediate tensors (used by the parity locator).
 Recorder = Callable[[int, int, str, torch.Tensor], None]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: statistics in fp32, cast back, then ``weight * x`` in bf16."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+ROPE_BLOCK = 1024  # positions per block of the cos/sin table
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@attrs.frozen(eq=False)
+class StepInputs:
+    """One step's rows: every request's new tokens, prompt positions first."""
+
+    input_ids: torch.Tensor  # [N] int64, on the device
+    positions: torch.Tensor  # [N] int64, on the device
+    attention: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] int64: rows whose logits are wanted
+    prompt_rows: int  # rows [0, prompt_rows) are prompt positions, the rest generated ones
+    prompt_samples: int  # sample_rows[:prompt_samples] are prompt rows
+    max_position: int  # the largest of positions (known on the host: no device read)
 
 
 @attrs.frozen
@@ -77,6 +87,28 @@ class LayerWeights:
         )
 
 
+class RowOps:
+    """The plan's kernels bound for one step's split of rows into prompt and generated."""
+
+    def __init__(self, kernels: dict[str, dict[str, Callable]], split: int | None) -> None:
+        self.kernels = kernels
+        self.split = split  # None: both kinds run the same kernels
+
+    def __call__(self, op: str, x: torch.Tensor, *consts) -> torch.Tensor:
+        """``op`` on rows ``x`` (and constant arguments), each row by its kind's kernel."""
+        p = self.split
+        if p is None or p == x.shape[0]:
+            return self.kernels["prompt"][op](x, *consts)
+        if p == 0:
+            return self.kernels["generated"][op](x, *consts)
+        return torch.cat(
+            (
+                self.kernels["prompt"][op](x[:p], *consts),
+                self.kernels["generated"][op](x[p:], *consts),
+            )
+        )
+
+
 class OuroModel:
     """Ouro in fixed-loop mode (all T loops, logits of the last loop) over one KV store."""
 
@@ -84,12 +116,24 @@ class OuroModel:
         self,
         cfg: OuroConfig,
         weights: dict[str, torch.Tensor],
-        backend: AttentionBackend,
+        plan: ExecutionPlan,
+        driver: Driver,
         kv: KVStore,
     ) -> None:
         self.cfg = cfg
-        self.backend = backend
+        self.plan = plan
+        self.backend = driver.backend(plan.attention)
         self.kv = kv
+        self.kernels = {
+            kind: {
+                op: row_function(op, driver.kernel(hal_op(op), c.kernel), c.tiles)
+                for op in OPS
+                for c in (plan.choice(kind, op),)
+            }
+            for kind in KINDS
+        }
+        # HF-exact mode calls the activation on separate gate and up tensors, as HF does.
+        self.silu_mul = driver.kernel("silu_mul", plan.choice("prompt", "silu_mul").kernel).fn
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
         self.lm_head = weights["lm_head.weight"]
@@ -107,55 +151,33 @@ class OuroModel:
         self.inv_freq = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
         )
+        self._cos = self._sin = torch.empty(1, 0, d, dtype=self.embed.dtype, device=device)
         self.scaling = d**-0.5
         self.recorder: Recorder | None = None
-        self.deterministic = False
-        # F.linear, or a driver's kernel (LLM(linear=...)), or its row-invariant form.
-        self.linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
-        # One call on q|k|v and on gate|up instead of one per projection: only for kernels
-        # that give the same bits either way (Driver.column_invariant_linears).
-        self.stacked = False
-        # HF's RMSNorm, or in deterministic mode a driver's row-invariant kernel.
-        self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
 
-    def enable_deterministic(self, allow_padding: bool = True, norm=None) -> None:
-        """Row-invariant execution (see runtime_glue.determinism); verified before enabling.
+    def rope(self, positions: torch.Tensor, max_position: int):
+        """cos, sin ``[1, N, d]``: angles in fp32, cast to bf16 last, as HF computes them.
 
-        ``allow_padding=False`` refuses the padded linear (it doubles one-row decode calls).
-        ``norm``: a driver's RMSNorm kernel to run instead of HF's torch operations.
+        Read from a table computed a block of positions at a time, so a position's values
+        never depend on which other positions share its step (within one call, an element's
+        vectorised or scalar code path can).
         """
-        from runtime_glue.determinism import choose_linear
+        while self._cos.shape[1] <= max_position:
+            start = self._cos.shape[1]
+            block = torch.arange(start, start + ROPE_BLOCK, device=self.inv_freq.device)
+            freqs = block[None, :, None].float() * self.inv_freq  # [1, B, d/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = torch.cat((self._cos, emb.cos().to(self._cos.dtype)), dim=1)
+            self._sin = torch.cat((self._sin, emb.sin().to(self._sin.dtype)), dim=1)
+        return self._cos[:, positions], self._sin[:, positions]
 
-        if not self.backend.supports_deterministic:
-            raise ValueError(
-                f"attention backend {self.backend.name!r} does not support deterministic mode"
-            )
-        w = self.layers[0]
-        eps, norm_w, norm = self.cfg.rms_norm_eps, w.ln, norm or rms_norm
-        stacked = [w.qkv, w.gate_up] if self.stacked else []
-        self.linear = choose_linear(
-            [w.q, w.k, w.v, w.o, w.gate, w.up, w.down, self.lm_head, *stacked],
-            lambda x: norm(x, norm_w, eps),
-            allow_padding,
-            base=self.linear,
-        )
-        self.rms_norm = norm
-        self.deterministic = True
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[1, N, d]``: angles in fp32, cast to bf16 last."""
-        freqs = positions[None, :, None].float() * self.inv_freq  # [1, N, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.embed.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def attention(self, t: int, li: int, x, cos, sin, meta: AttentionMetadata):
+    def attention(self, t: int, li: int, x, cos, sin, meta: AttentionMetadata, rows: RowOps):
         w, cfg, n = self.layers[li], self.cfg, x.shape[0]
         d, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        if self.stacked:
-            q, k, v = self.linear(x, w.qkv).split((heads * d, kv_heads * d, kv_heads * d), -1)
+        if self.plan.stacked:
+            q, k, v = rows("qkv_proj", x, w.qkv).split((heads * d, kv_heads * d, kv_heads * d), -1)
         else:
-            q, k, v = (self.linear(x, p) for p in (w.q, w.k, w.v))
+            q, k, v = (rows("qkv_proj", x, p) for p in (w.q, w.k, w.v))
         q = q.view(1, n, heads, d).transpose(1, 2)
         k = k.view(1, n, kv_heads, d).transpose(1, 2)
         v = v.view(1, n, kv_heads, d).transpose(1, 2)
@@ -167,45 +189,45 @@ class OuroModel:
         k = k * cos + rotate_half(k) * sin  # [1, Hkv, N, d]
         plane = t * cfg.num_hidden_layers + li
         self.kv.write(plane, k[0].transpose(0, 1), v[0].transpose(0, 1), meta.slot_mapping)
-        o = self.backend.forward(q, plane, self.kv, meta, self.scaling)  # [N, Hq * d]
+        o = self.backend.forward(  # [N, Hq * d]
+            q, plane, self.kv, meta, self.scaling, deterministic=self.plan.deterministic
+        )
         if self.recorder is not None:
             self.recorder(t, li, "attention", o)
-        return self.linear(o, w.o)
+        return rows("o_proj", o, w.o)
 
-    def mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, li: int, x: torch.Tensor, rows: RowOps) -> torch.Tensor:
         w = self.layers[li]
-        lin = self.linear
-        if self.stacked:
-            gate, up = lin(x, w.gate_up).chunk(2, dim=-1)
+        if self.plan.stacked:
+            act = rows("silu_mul", rows("gate_up_proj", x, w.gate_up))
         else:
-            gate, up = lin(x, w.gate), lin(x, w.up)
-        return lin(F.silu(gate) * up, w.down)
+            gate, up = rows("gate_up_proj", x, w.gate), rows("gate_up_proj", x, w.up)
+            act = self.silu_mul(gate, up)
+        return rows("down_proj", act, w.down)
 
-    def layer(self, t: int, li: int, h, cos, sin, meta):
-        w, eps, norm = self.layers[li], self.cfg.rms_norm_eps, self.rms_norm
-        a = self.attention(t, li, norm(h, w.ln, eps), cos, sin, meta)
-        h = h + norm(a, w.ln_2, eps)
-        m = self.mlp(li, norm(h, w.post_ln, eps))
+    def layer(self, t: int, li: int, h, cos, sin, meta, rows: RowOps):
+        w, eps = self.layers[li], self.cfg.rms_norm_eps
+        a = self.attention(t, li, rows("rms_norm", h, w.ln, eps), cos, sin, meta, rows)
+        h = h + rows("rms_norm", a, w.ln_2, eps)
+        m = self.mlp(li, rows("rms_norm", h, w.post_ln, eps), rows)
         if self.recorder is not None:
             self.recorder(t, li, "mlp", m)
-        h = h + norm(m, w.post_ln_2, eps)
+        h = h + rows("rms_norm", m, w.post_ln_2, eps)
         if self.recorder is not None:
             self.recorder(t, li, "residual", h)
         return h
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [N] int64
-        positions: torch.Tensor,  # [N] int64
-        meta: AttentionMetadata,
-        sample_rows: torch.Tensor,  # [R] int64: rows whose logits are wanted
-    ) -> torch.Tensor:
-        """Returns the final loop's logits ``[R, vocab]`` (bf16) for ``sample_rows``."""
-        h = F.embedding(input_ids, self.embed)  # [N, H]
-        cos, sin = self.rope(positions)
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Returns the final loop's logits ``[R, vocab]`` (bf16) for ``step.sample_rows``."""
+        split = self.plan.split
+        rows = RowOps(self.kernels, step.prompt_rows if split else None)
+        h = F.embedding(step.input_ids, self.embed)  # [N, H]
+        cos, sin = self.rope(step.positions, step.max_position)
+        eps = self.cfg.rms_norm_eps
         for t in range(self.cfg.total_ut_steps):
             for li in range(self.cfg.num_hidden_layers):
-                h = self.layer(t, li, h, cos, sin, meta)
-            h = self.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return self.linear(h.index_select(0, sample_rows), self.lm_head)  # [R, vocab]
+                h = self.layer(t, li, h, cos, sin, step.attention, rows)
+            h = rows("rms_norm", h, self.norm, eps)
+        sampled = RowOps(self.kernels, step.prompt_samples if split else None)
+        return sampled("lm_head", h.index_select(0, step.sample_rows), self.lm_head)  # [R, V]

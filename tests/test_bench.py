@@ -40,9 +40,9 @@ def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
     )
     assert _positive(report["peak_memory"]["peak_rss_bytes"])
     assert report["machine"]["torch"] and report["device"] == "cpu"
-    # The cpu default mode; the GEMM rate (the prefill floor) uses the run's own kernel.
-    assert report["mode"] == "deterministic" and report["linear"] in ("avx2", "torch")
-    assert report["floors"]["gemm_kernel"] == report["linear"]
+    # The cpu default plan; the GEMM rate (the prefill floor) uses its prompt rows' kernel.
+    assert report["mode"] == "deterministic" and report["plan"].startswith("deterministic mode")
+    assert f"gate_up_proj {report['floors']['gemm_kernel']}" in report["plan"]
     assert [r["input_len"] for r in report["results"]] == [8, 20]
     for r in report["results"]:
         for key in ("ttft_s", "tpot_s", "output_tok_s"):
@@ -68,7 +68,7 @@ def test_bench_baseline_compares_with_the_hf_module_reference(tmp_path):
         assert _positive(level["rlt_hal_tok_s"]) and _positive(level["baseline_tok_s"])
         assert abs(level["ratio"] - level["rlt_hal_tok_s"] / level["baseline_tok_s"]) < 1e-9
     assert "HF-module reference" in report["baseline"]
-    assert report["mode"] == "deterministic" and report["linear"] in ("avx2", "torch")
+    assert report["mode"] == "deterministic" and report["plan"].startswith("deterministic mode")
     assert "| c3 |" in table
 
 
@@ -102,3 +102,20 @@ def test_bench_determinism_reports_the_cost_of_the_mode(tmp_path):
         assert _positive(r["off_tok_s"]) and _positive(r["on_tok_s"])
         assert abs(r["cost"] - (1 - r["on_tok_s"] / r["off_tok_s"])) < 1e-9
     assert "| c2 |" in table
+
+
+def test_bench_plans_compares_the_default_with_every_single_kernel_plan(tmp_path):
+    report, table = _bench(
+        tmp_path,
+        "plans --preset tiny --input-len 8 --output-len 3 --runs 1 --concurrency 2 --block-size 16",
+    )
+    plans = report["plans"]
+    assert {"default", "deterministic, torch only", "hf-exact (torch)"} <= set(plans)
+    assert plans["hf-exact (torch)"]["mode"] == "hf-exact"
+    for name, r in plans.items():
+        assert r["mode"] == "hf-exact" or r["plan"].startswith("deterministic mode"), name
+        for key in ("ttft_over_best", "tpot_over_best", "c2_best_over_this"):
+            assert r[key] >= 1.0, (name, key)
+        assert f"| {name} | {r['mode']} | {r['ttft_s']:.3f} |" in table
+    for key in ("ttft_over_best", "tpot_over_best", "c2_best_over_this"):
+        assert min(r[key] for r in plans.values()) == 1.0  # one plan is the best at each

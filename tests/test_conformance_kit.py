@@ -62,13 +62,16 @@ def test_the_example_driver_is_selected_with_vllm_rlt_device(tiny_ckpt):
 def test_the_example_driver_passes_the_kit():
     proc = _kit("acme")
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "12 passed" in proc.stdout
+    import hal.testing.test_conformance as kit
+
+    checks = sum(name.startswith("test_") for name in vars(kit))
+    assert f"{checks} passed" in proc.stdout  # every check ran: none skipped
 
 
 BROKEN = '''
 import torch
 import torch.nn.functional as F
-from hal import DriverSpec, ProbeResult, hookimpl
+from hal import DriverSpec, Kernel, ProbeResult, hookimpl
 from hal.eager import EagerBackend, TensorKVStore, eager_attention
 from drivers.cpu.driver import CpuDevice, CpuDriver
 
@@ -77,7 +80,7 @@ class LeakyBackend(EagerBackend):
     """Forgets the causal mask: every query sees the whole gathered context."""
     name = "leaky"
 
-    def forward(self, query, plane, kv, meta, scaling):
+    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
         _, heads, n, d = query.shape
         out = query.new_empty(n, heads * d)
         for s in meta.seqs:
@@ -88,6 +91,12 @@ class LeakyBackend(EagerBackend):
         return out
 
 
+def tailless(x, w):
+    """Drops K's tail beyond a multiple of 8."""
+    k = x.shape[-1] // 8 * 8
+    return F.linear(x[..., :k], w[:, :k])
+
+
 def widthwise(x, w):
     """Exact on narrow weights; zeroes a column of wide (stacked) ones."""
     y = F.linear(x, w)
@@ -96,23 +105,27 @@ def widthwise(x, w):
     return y
 
 
-class LeakyDriver(CpuDriver):
-    """Also offers a projection kernel that drops K's tail beyond a multiple of 8, and one
-    that falsely claims to be column-invariant."""
-    linear_kernels = ("tailless", "widthwise")
-    column_invariant_linears = ("widthwise",)
+def batchwise(x, w):
+    """Sums a row in another order when the call holds 13 rows."""
+    if x.shape[0] != 13:
+        return F.linear(x, w)
+    half = x.shape[-1] // 2
+    return (F.linear(x[:, :half].float(), w[:, :half].float())
+            + F.linear(x[:, half:].float(), w[:, half:].float())).to(x.dtype)
 
-    def linear(self, name):
-        if name == "widthwise":
-            return widthwise
-        if name != "tailless":
-            return super().linear(name)
-        return lambda x, w: F.linear(x[:, : x.shape[1] // 8 * 8], w[:, : w.shape[1] // 8 * 8])
+
+KERNELS = [
+    Kernel("linear", "tailless", tailless),
+    Kernel("linear", "widthwise", widthwise, column_invariant=True),
+    Kernel("linear", "batchwise", batchwise, row_invariant=True),
+]
 
 
 @hookimpl
 def rlt_hal_register_drivers():
-    make = lambda **_: LeakyDriver("leaky", CpuDevice(), {"leaky": LeakyBackend()}, "leaky")
+    def make(**_):
+        return CpuDriver("leaky", CpuDevice(), {"leaky": LeakyBackend()}, "leaky", KERNELS)
+
     return [DriverSpec("leaky", lambda: ProbeResult(True), make)]
 '''
 
@@ -129,3 +142,4 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     assert "FAILED" in proc.stdout and "test_a_query_never_sees_later_positions" in proc.stdout
     assert "tailless: 3x203 @ 203x37 exceeds the bound" in proc.stdout
     assert "widthwise: 1 rows x K 64" in proc.stdout
+    assert "linear batchwise claims row invariance, but rows in a 13-row call differ" in proc.stdout

@@ -1,6 +1,6 @@
-"""The cpu driver's kernels (the ``avx2`` projection, deterministic attention and RMSNorm):
-accuracy, row invariance, their place in the runtime and their errors. (Their speed is measured in
-docs/benchmarks.md, not here.)"""
+"""The cpu driver's kernels (the avx2 and avx512bf16 projections, deterministic attention,
+RMSNorm and SiLU-times-up): accuracy, row invariance, their place in the runtime and their
+errors. (Their speed is measured in docs/benchmarks.md, not here.)"""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from drivers.cpu import kernels
+from drivers.cpu.driver import RowContexts
 from hal.eager import TensorKVStore
+from hal.kernels import (
+    KernelUnavailable,
+    adversarial_rows,
+    adversarial_weight,
+    check_rows,
+    hf_rms_norm,
+    hf_silu_mul,
+)
 from hal.testing.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVLayout, SequenceSlice
-from runtime_glue.determinism import check_row_invariance, check_rows
 from runtime_glue.llm import LLM
-from runtime_glue.model import rms_norm
+from runtime_glue.model import OuroModel, StepInputs
 from runtime_glue.sampling import SamplingParams
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
@@ -24,6 +32,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _avx512bf16_or_skip():
+    try:
+        kernels.avx512bf16_available()
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+LINEARS = {
+    "avx2": (kernels.linear_avx2, lambda: None),
+    "avx512bf16": (kernels.linear_avx512bf16, _avx512bf16_or_skip),
+}
+
+
 def _operands(m: int, n: int, k: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).bfloat16()
@@ -31,16 +52,19 @@ def _operands(m: int, n: int, k: int, seed: int = 0):
     return x, w
 
 
-# Shapes cover every blocking edge: one row, odd row counts, more rows than a cache block
-# (32), N not a multiple of the 4-row weight block, K with a scalar tail.
+# Shapes cover every blocking edge: one row, odd row counts, more rows than a cache block,
+# N not a multiple of the weight block, K with a tail (8 for avx2, 32 for avx512bf16).
 SHAPES = [(1, 64, 64), (2, 7, 9), (3, 5632, 2048), (5, 2048, 5632), (33, 100, 200), (70, 13, 24)]
 
 
+@pytest.mark.parametrize("name", sorted(LINEARS))
 @pytest.mark.parametrize("m, n, k", SHAPES)
-def test_the_kernel_is_as_accurate_as_torchs_bf16_linear(m, n, k):
+def test_the_kernel_is_as_accurate_as_torchs_bf16_linear(name, m, n, k):
+    linear, skip = LINEARS[name]
+    skip()
     x, w = _operands(m, n, k)
     exact = x.double() @ w.double().T
-    got = kernels.bf16_linear(x, w).double()
+    got = linear(x, w).double()
     # Both round an fp32 sum to bf16 once: at most half a bf16 ulp of the result (2^-9
     # relative) plus fp32 accumulation error, which k * 2^-24 * sum|x*w| bounds.
     accumulation = k * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
@@ -50,19 +74,38 @@ def test_the_kernel_is_as_accurate_as_torchs_bf16_linear(m, n, k):
     assert (got - exact).abs().max() <= 2 * torch_err + accumulation.max()
 
 
-def test_leading_dimensions_and_views_are_handled():
+@pytest.mark.parametrize("name", sorted(LINEARS))
+def test_leading_dimensions_and_views_are_handled(name):
+    linear, skip = LINEARS[name]
+    skip()
     x, w = _operands(6, 40, 32)
-    x3 = x.view(2, 3, 32)
-    assert torch.equal(kernels.bf16_linear(x3, w), kernels.bf16_linear(x, w).view(2, 3, 40))
+    assert torch.equal(linear(x.view(2, 3, 32), w), linear(x, w).view(2, 3, 40))
     strided = torch.cat([x, x], dim=1)[:, :32]  # not contiguous
-    assert torch.equal(kernels.bf16_linear(strided, w), kernels.bf16_linear(x, w))
-    assert kernels.bf16_linear(x[:0], w).shape == (0, 40)
+    assert torch.equal(linear(strided, w), linear(x, w))
+    assert linear(x[:0], w).shape == (0, 40)
 
 
-def test_the_kernel_is_row_invariant_for_the_ouro_shapes():
-    shapes = [(2048, 2048), (5632, 2048), (2048, 5632), (512, 2048)]
-    weights = [_operands(1, n, k, seed=n + k)[1] for n, k in shapes]
-    check_row_invariance(weights, kernels.bf16_linear)  # raises if a row's bits move
+@pytest.mark.parametrize("name", sorted(LINEARS))
+def test_the_kernel_keeps_a_rows_bits_in_any_call_for_the_ouro_shapes(name):
+    linear, skip = LINEARS[name]
+    skip()
+    gen = torch.Generator().manual_seed(1)
+    for n, k in [(6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]:
+        w, x = adversarial_weight(n, k, gen), adversarial_rows(32, k, gen)
+        why = check_rows(lambda rows, w=w: linear(rows, w), x, (1, 2, 3, 5, 8, 13, 16))
+        assert why is None, f"{name} [{n}, {k}]: {why}"
+
+
+def test_the_two_projection_kernels_sum_in_different_orders_and_the_check_sees_it():
+    # Why the check needs adversarial inputs: on random ones two fp32 orders almost never
+    # differ after rounding to bf16; on these, almost every output does.
+    _avx512bf16_or_skip()
+    gen = torch.Generator().manual_seed(2)
+    w, x = adversarial_weight(256, 2048, gen), adversarial_rows(16, 2048, gen)
+    differs = kernels.linear_avx2(x, w) != kernels.linear_avx512bf16(x, w)
+    assert differs.float().mean() > 0.5
+    xr, wr = _operands(16, 256, 2048)
+    assert (kernels.linear_avx2(xr, wr) != kernels.linear_avx512bf16(xr, wr)).float().mean() < 0.01
 
 
 def _attention_case(heads, kv_heads, d, seed=0):
@@ -81,12 +124,12 @@ def _attention_case(heads, kv_heads, d, seed=0):
 
 
 def _run_attention(kv, q, seqs):
-    """seqs: (query_start, query_len, context_len, slots); deterministic metadata."""
+    """seqs: (query_start, query_len, context_len, slots)."""
     slices = tuple(SequenceSlice(*s) for s in seqs)
     new = torch.cat([sl.kv_slots[sl.context_len :] for sl in slices])
-    meta = AttentionMetadata(slices, new, q.shape[2], deterministic=True)
-    rows = kernels.RowContexts.of(meta)
-    return kernels.paged_attention(q, kv.key_cache[0], kv.value_cache[0], rows, q.shape[-1] ** -0.5)
+    rows = RowContexts.of(AttentionMetadata(slices, new, q.shape[2]))
+    k, v = kv.key_cache[0], kv.value_cache[0]
+    return kernels.paged_attention(q, k, v, rows.slots, rows.off, rows.len, q.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("heads, kv_heads, d", [(4, 4, 32), (6, 2, 36), (4, 1, 128)])
@@ -114,32 +157,69 @@ def test_the_norm_kernel_keeps_hfs_roundings_and_is_row_invariant(n, eps, scale)
     gen = torch.Generator().manual_seed(n)
     x = (torch.randn(37, n, generator=gen) * scale).bfloat16()
     w = torch.randn(n, generator=gen).bfloat16()
-    got, hf = kernels.rms_norm(x, w, eps), rms_norm(x, w, eps)
+    got, hf = kernels.rms_norm(x, w, eps), hf_rms_norm(x, w, eps)
     # Only the order of the sum of squares differs from HF's: at most one bf16 rounding step.
     assert ((got.float() - hf.float()).abs() <= hf.float().abs() * 2.0**-7).all()
     assert (got == hf).float().mean() > 0.99
-    check_rows(lambda rows: kernels.rms_norm(rows, w, eps), x, "rms_norm")
+    assert check_rows(lambda rows: kernels.rms_norm(rows, w, eps), x, (1, 2, 3, 16)) is None
     assert kernels.rms_norm(x.view(37, 1, n), w, eps).shape == (37, 1, n)
 
 
-def test_deterministic_mode_runs_the_drivers_norm_and_hf_exact_mode_hfs(tiny_ckpt):
-    assert LLM(tiny_ckpt, device="cpu", num_blocks=4).model.rms_norm is kernels.rms_norm
-    hf = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=False)
-    assert hf.model.rms_norm is rms_norm
+@pytest.mark.parametrize("cols", [8, 13, 688, 5632])
+def test_the_silu_mul_kernel_keeps_hfs_roundings_and_every_elements_bits(cols):
+    gen = torch.Generator().manual_seed(cols)
+    both = (torch.randn(19, 2 * cols, generator=gen) * 4).bfloat16()  # gate|up, stacked
+    gate, up = both[:, :cols], both[:, cols:]
+    got, hf = kernels.silu_mul(gate, up), hf_silu_mul(gate, up)
+    # Its exp is not torch's: the rounded silu may differ by one bf16 step, so 2^-7.
+    assert ((got.float() - hf.float()).abs() <= hf.float().abs() * 2.0**-7 + 1e-30).all()
+    assert (got == hf).float().mean() > 0.98
+    # An element's bits never depend on where it falls: a row alone, or shifted by one column.
+    for r in (0, 7, 18):
+        assert torch.equal(kernels.silu_mul(gate[r : r + 1], up[r : r + 1]), got[r : r + 1])
+    if cols > 1:
+        shifted = kernels.silu_mul(gate[:, 1:].contiguous(), up[:, 1:].contiguous())
+        assert torch.equal(shifted, got[:, 1:])
+
+
+def test_the_kernels_are_torch_custom_ops_the_profiler_sees():
+    x, w = _operands(3, 16, 32)
+    with torch.profiler.profile() as prof:
+        kernels.linear_avx2(x, w)
+        kernels.rms_norm(x, w[0], 1e-6)
+    names = {e.key for e in prof.key_averages()}
+    assert {"rlt_cpu::linear_avx2", "rlt_cpu::rms_norm"} <= names
+    assert torch.ops.rlt_cpu.linear_avx2.default is not None
+    fake = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake:  # a fake implementation: shape inference without running the kernel
+        y = kernels.linear_avx2(torch.empty(5, 32, dtype=torch.bfloat16), torch.empty(16, 32))
+    assert y.shape == (5, 16)
 
 
 def test_it_rejects_what_it_cannot_compute():
     x, w = _operands(2, 4, 8)
     with pytest.raises(TypeError, match="bf16 CPU tensors"):
-        kernels.bf16_linear(x.float(), w)
+        kernels.linear_avx2(x.float(), w)
+    with pytest.raises(TypeError, match="same strides"):
+        kernels.silu_mul(x, x[:, :4])
 
 
-def test_the_runtime_uses_it_on_request_and_reports_the_mode(checkpoints):
-    name = "gqa-h256-d32-L3-T4"  # at hidden 64 the kernel happens to give torch's very bits
-    ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
-    llm = LLM(ckpt, device="cpu", num_blocks=8, linear="avx2", deterministic=False)
-    assert llm.model.linear is kernels.bf16_linear and llm.mode == "fast"
-    exact = LLM(ckpt, device="cpu", num_blocks=8, deterministic=False)
+@pytest.fixture
+def wide(checkpoints):
+    name = "gqa-h256-d32-L3-T4"  # at hidden 64 a kernel can happen to give torch's very bits
+    return checkpoints(name, seed=1, **PARITY_CONFIGS[name])
+
+
+def test_a_named_kernel_runs_every_projection_and_says_the_mode_is_fast(wide):
+    llm = LLM(wide, device="cpu", num_blocks=8, linear="avx2", deterministic=False)
+    assert llm.mode == "fast" and llm.plan.stacked
+    assert {
+        c.kernel
+        for kind in ("prompt", "generated")
+        for op, c in getattr(llm.plan, kind)
+        if op.endswith(("proj", "head"))
+    } == {"avx2"}
+    exact = LLM(wide, device="cpu", num_blocks=8, deterministic=False)
     params = SamplingParams(max_tokens=1)
     got = llm.generate([prompt_of(20, seed=1)], params, return_logits=True)[0].logits
     want = exact.generate([prompt_of(20, seed=1)], params, return_logits=True)[0].logits
@@ -148,15 +228,15 @@ def test_the_runtime_uses_it_on_request_and_reports_the_mode(checkpoints):
     assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
 
 
-def test_deterministic_mode_holds_with_the_kernel(checkpoints):
-    name = "gqa-h256-d32-L3-T4"
-    ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
+@pytest.mark.parametrize("name", sorted(LINEARS))
+def test_deterministic_mode_holds_with_each_kernel(wide, name):
+    LINEARS[name][1]()
     prompts = [prompt_of(70, seed=1), prompt_of(9, seed=2)]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
 
     def run(chunk):
-        llm = LLM(ckpt, block_size=16, num_blocks=64, linear="avx2", prefill_chunk_size=chunk)
-        assert llm.mode == "deterministic" and llm.model.linear is kernels.bf16_linear
+        llm = LLM(wide, block_size=16, num_blocks=64, linear=name, prefill_chunk_size=chunk)
+        assert llm.mode == "deterministic" and llm.plan.choice("prompt", "qkv_proj").kernel == name
         return llm.generate(prompts, params, return_logits=True)
 
     want = run(None)
@@ -165,52 +245,76 @@ def test_deterministic_mode_holds_with_the_kernel(checkpoints):
             assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits), chunk
 
 
-def test_stacked_projections_give_the_bits_of_separate_calls(checkpoints):
-    # One call on q|k|v and gate|up (the kernel is column-invariant) must change no bit.
-    name = "gqa-h256-d32-L3-T4"
-    ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
-    prompts = [prompt_of(40, seed=3), prompt_of(7, seed=4)]
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
-    llm = LLM(ckpt, block_size=16, num_blocks=16)
-    assert llm.model.stacked and llm.linear == "avx2"
-    want = llm.generate(prompts, params, return_logits=True)
-    llm.model.stacked = False
-    got = llm.generate(prompts, params, return_logits=True)
-    for g, w in zip(got, want, strict=True):
-        assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits)
+def test_stacked_projections_give_the_bits_of_separate_calls(wide):
+    # One call on q|k|v and gate|up with a column-invariant kernel must change no bit, and
+    # the model must split the stacked output where q, k and v (gate and up) meet.
+    import attrs
+
+    llm = LLM(wide, block_size=16, num_blocks=16, linear="avx2", deterministic=False)
+    assert llm.plan.stacked
+    apart = OuroModel(
+        llm.config, _weights(llm), attrs.evolve(llm.plan, stacked=False), llm.driver, llm.kv_store
+    )
+    n = 40
+    ids, pos = torch.tensor(prompt_of(n, seed=3)), torch.arange(n)
+    slots = torch.arange(n)
+    step = StepInputs(
+        ids,
+        pos,
+        AttentionMetadata((SequenceSlice(0, n, 0, slots),), slots, n),
+        torch.arange(n),
+        n,
+        n,
+        n - 1,
+    )
+    assert torch.equal(llm.model.forward(step), apart.forward(step))
 
 
-def test_it_is_the_default_kernel_unless_the_run_is_hf_exact(tiny_ckpt):
-    assert LLM(tiny_ckpt, device="cpu", num_blocks=4).linear == "avx2"
-    assert LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=True).linear == "avx2"
-    hf = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=False)
-    assert hf.linear == "torch" and hf.mode == "hf-exact"
-    named = LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="torch")
-    assert named.linear == "torch" and named.mode == "deterministic"
+def _weights(llm):
+    from runtime_glue.checkpoint import load_weights
+
+    return load_weights(llm.model_dir, llm.config, llm.driver.device)
+
+
+def test_the_plan_chooses_the_fastest_of_the_kernels_it_measured(tiny_ckpt):
+    from runtime_glue.plan import hal_op
+
+    llm = LLM(tiny_ckpt, device="cpu", num_blocks=4)
+    for kind in ("prompt", "generated"):
+        for op, c in getattr(llm.plan, kind):
+            usable = {k.name for k in llm.driver.kernels_for(hal_op(op)) if not k.available()}
+            times = {}
+            for m in llm.plan.measurements:
+                if (m.op, m.kind) == (op, kind):
+                    times.setdefault(m.kernel, {})[m.rows] = m.seconds
+            assert c.kernel in usable and set(times) <= usable and c.kernel in times
+            fastest = {r: min(t[r] for t in times.values()) for r in times[c.kernel]}
+            worst = {k: max(t[r] / fastest[r] for r in t) for k, t in times.items()}
+            assert worst[c.kernel] == min(worst.values()), (op, kind, times)
 
 
 @pytest.fixture
 def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("RLT_HAL_CACHE", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "no-such-cc")
-    kernels.load.cache_clear()
+    kernels.library.cache_clear()
     yield
-    kernels.load.cache_clear()
+    kernels.library.cache_clear()
 
 
 def test_a_missing_compiler_is_named_with_what_to_do(no_compiler):
-    with pytest.raises(kernels.KernelsUnavailable, match="apt install gcc"):
-        kernels.load()
+    with pytest.raises(KernelUnavailable, match="apt install gcc"):
+        kernels.library()
 
 
-def test_without_a_compiler_the_default_falls_back_to_torch(no_compiler, tiny_ckpt, caplog):
+def test_without_a_compiler_the_plan_uses_torchs_kernels(no_compiler, tiny_ckpt, caplog):
     llm = LLM(tiny_ckpt, device="cpu", num_blocks=4)
-    assert llm.linear == "torch" and llm.mode == "deterministic"
-    assert "using torch's linear kernel" in caplog.text and "apt install gcc" in caplog.text
+    assert llm.mode == "deterministic"
+    assert {c.kernel for _, c in llm.plan.prompt + llm.plan.generated} == {"torch"}
+    assert any("apt install gcc" in note for note in llm.plan.notes)
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].token_ids
     assert "deterministic attention runs on torch's kernels" in caplog.text
-    assert "deterministic mode uses HF's RMSNorm" in caplog.text and llm.model.rms_norm is rms_norm
-    with pytest.raises(kernels.KernelsUnavailable):  # asked for by name: an error
+    with pytest.raises(KernelUnavailable):  # asked for by name: an error
         LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="avx2")
 
 
@@ -218,18 +322,21 @@ def test_a_build_failure_shows_the_compiler_output(monkeypatch, tmp_path):
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
     monkeypatch.setenv("RLT_HAL_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels, "SOURCES", (bad,))
-    kernels.load.cache_clear()
+    monkeypatch.setattr(kernels, "_sources", lambda: [bad])
+    kernels.library.cache_clear()
     try:
-        with pytest.raises(kernels.KernelsUnavailable, match="compiling .*bad.c"):
-            kernels.load()
+        with pytest.raises(KernelUnavailable, match="compiling .*bad.c"):
+            kernels.library()
     finally:
-        kernels.load.cache_clear()
+        kernels.library.cache_clear()
     assert not list((tmp_path / "kernels").glob("*.so")), "a failed build left a library"
 
 
 def test_unknown_kernels_and_drivers_without_it_are_refused(tiny_ckpt, monkeypatch):
-    with pytest.raises(ValueError, match="linear kernel 'amx' is not offered by driver 'cpu'; "):
+    with pytest.raises(
+        ValueError,
+        match="linear kernel 'amx' is not offered by driver 'cpu'; choose one of: torch, avx2",
+    ):
         LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="amx")
     monkeypatch.setenv("RLT_HAL_NPU_EMULATE", "1")
     with pytest.raises(ValueError, match="choose one of: torch$"):

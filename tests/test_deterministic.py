@@ -102,44 +102,124 @@ def test_the_mode_is_the_default_only_where_its_backend_measured_it_cheap(tiny_c
     assert LLM(tiny_ckpt, device="npu", num_blocks=4, deterministic=True).mode == "deterministic"
 
 
-def _gemv_differs(monkeypatch):
-    """Test double for a device whose one-row linear rounds differently from its GEMM."""
-    real = F.linear
+def _with_linear(monkeypatch, tmp_path, fn):
+    """LLM keyword arguments for a cpu driver whose one extra projection kernel is ``fn``
+    (a test double for a library kernel), named "double", with its own plan cache."""
+    from drivers.cpu.driver import CpuDevice, CpuDriver, CpuEagerBackend
+    from hal import DriverSpec, Kernel, ProbeResult, Registry, hookimpl
 
-    def gemv_differs(x, w, bias=None):
-        out = real(x, w)
-        return out + 1 if x.shape[0] == 1 else out
+    monkeypatch.setenv("RLT_HAL_CACHE", str(tmp_path))
 
-    monkeypatch.setattr(F, "linear", gemv_differs)
+    class Plugin:
+        @hookimpl
+        def rlt_hal_register_drivers(self):
+            def create(**_):
+                backends = {"cpu_eager": CpuEagerBackend()}
+                kernels = [Kernel("linear", "double", fn)]
+                return CpuDriver("double", CpuDevice(), backends, "cpu_eager", kernels)
 
+            return [DriverSpec("double", lambda: ProbeResult(True), create)]
 
-def test_a_default_mode_that_fails_its_check_falls_back_to_hf_exact(tiny_ckpt, monkeypatch, caplog):
-    _gemv_differs(monkeypatch)
-    # By default padding is not worth it (it doubles one-row calls): the mode stays off.
-    assert LLM(tiny_ckpt, device="cpu", num_blocks=4, linear="torch").mode == "hf-exact"
-    assert "deterministic mode is off by default here" in caplog.text
-    assert "linear [" in caplog.text
-    # Asked for explicitly, the mode pays for the padding.
-    llm = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=True, linear="torch")
-    assert llm.mode == "deterministic" and llm.model.linear.pads is F.linear
-
-
-def test_kernels_that_are_not_row_invariant_are_detected():
-    from runtime_glue.determinism import choose_linear
-
-    w = torch.randn(8, 16).bfloat16()
-
-    def coupled_norm(x):  # a "norm" whose rows depend on the call's other rows
-        return x - x.mean()
-
-    with pytest.raises(RuntimeError, match="rms_norm gives different bits for the same row"):
-        choose_linear([w], coupled_norm)
+    registry = Registry(plugins=[Plugin()], load_entrypoints=False)
+    return dict(device="double", registry=registry, linear="double", num_blocks=8)
 
 
-def test_a_linear_that_is_only_invariant_when_padded_gets_the_padding(monkeypatch):
-    from runtime_glue import determinism
+def _position_dependent(x, w):
+    """F.linear, except every row but a call's first is nudged: no call shape keeps a row's
+    bits wherever it falls."""
+    out = F.linear(x, w)
+    out[1:] += 1
+    return out
 
-    _gemv_differs(monkeypatch)
-    w = torch.randn(8, 16).bfloat16()
-    chosen = determinism.choose_linear([w], lambda x: x * 2)
-    assert chosen.pads is F.linear
+
+def _shape_dependent(counts):
+    """F.linear, except calls of a row count in ``counts`` are nudged (a separate code path)."""
+
+    def linear(x, w):
+        out = F.linear(x, w)
+        return out + 1 if x.shape[0] in counts else out
+
+    return linear
+
+
+def test_a_default_mode_that_no_kernel_keeps_falls_back_to_hf_exact(
+    tiny_ckpt, monkeypatch, tmp_path, caplog
+):
+    llm = LLM(tiny_ckpt, **_with_linear(monkeypatch, tmp_path, _position_dependent))
+    assert llm.mode == "fast" and "deterministic mode is off by default here" in caplog.text
+    assert "no kernel gives qkv_proj [256, 64] a row's bits in every call shape" in caplog.text
+
+
+def test_an_explicit_mode_that_no_kernel_keeps_refuses_to_start_naming_op_and_shape(
+    tiny_ckpt, monkeypatch, tmp_path
+):
+    kw = _with_linear(monkeypatch, tmp_path, _position_dependent)
+    with pytest.raises(RuntimeError, match=r"no kernel gives qkv_proj \[256, 64\] a row's bits"):
+        LLM(tiny_ckpt, deterministic=True, **kw)
+
+
+def test_a_kernel_that_differs_in_some_call_shapes_gets_tiles_without_them(
+    tiny_ckpt, monkeypatch, tmp_path
+):
+    # Like torch's bf16 GEMM on some CPUs, where a one-row call takes a path of its own.
+    kw = _with_linear(monkeypatch, tmp_path, _shape_dependent({1, 2}))
+    llm = LLM(tiny_ckpt, deterministic=True, **kw)
+    assert {llm.plan.choice(k, "qkv_proj").tiles for k in ("prompt", "generated")} == {
+        (4, 8, 16, 32, 64, 128, 256),
+        (4, 8, 16, 32, 64),
+    }
+    want = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6), return_logits=True)[0]
+    llm.engine.config = attrs.evolve(llm.engine.config, prefill_chunk_size=1)
+    got = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6), return_logits=True)[0]
+    assert got.token_ids == want.token_ids and torch.equal(got.logits, want.logits)
+
+
+def test_a_cached_choice_that_fails_the_start_up_check_is_measured_again(
+    tiny_ckpt, monkeypatch, tmp_path
+):
+    shapes: set[int] = set()
+    kw = _with_linear(monkeypatch, tmp_path, _shape_dependent(shapes))
+    first = LLM(tiny_ckpt, deterministic=True, **kw).plan
+    assert first.choice("prompt", "qkv_proj").tiles[0] == 1
+    shapes.add(1)  # the library changed under the cache: now a one-row call differs
+    again = LLM(tiny_ckpt, deterministic=True, **kw).plan
+    assert again.choice("prompt", "qkv_proj").tiles[0] == 2
+    assert "timings measured now" in again.notes[-1]
+
+
+def test_the_check_finds_a_summation_order_that_differs_in_one_call_shape():
+    # Two kernels that sum a row in different orders depending on the call's row count: the
+    # adversarial inputs make even a one-ulp fp32 difference visible in every case.
+    from hal.kernels import adversarial_rows, adversarial_weight, check_rows
+
+    gen = torch.Generator().manual_seed(0)
+    w, x = adversarial_weight(96, 64, gen), adversarial_rows(64, 64, gen)
+
+    def order_by_rows(rows, w):  # fp32 sums in K order; in 8-row calls, two halves of K
+        products = rows.float()[:, None, :] * w.float()[None, :, :]
+        if rows.shape[0] != 8:
+            return products.cumsum(-1)[..., -1].bfloat16()  # a scan: one fixed order
+        half = products.shape[-1] // 2
+        first, second = products[..., :half], products[..., half:]
+        return (first.cumsum(-1)[..., -1] + second.cumsum(-1)[..., -1]).bfloat16()
+
+    assert check_rows(lambda r: order_by_rows(r, w), x, (1, 2, 4, 8, 16, 32)) is not None
+    assert check_rows(lambda r: order_by_rows(r, w), x, (16, 32)) is None
+
+
+def test_the_plan_is_resolved_once_and_names_every_op(tiny_ckpt):
+    from runtime_glue.plan import KINDS, OPS, hal_op
+
+    llm = LLM(tiny_ckpt, device="cpu", num_blocks=4)
+    plan = llm.plan
+    assert plan.mode == "deterministic" and plan.stacked
+    for kind in KINDS:
+        for op in OPS:
+            choice = plan.choice(kind, op)
+            assert choice.tiles and list(choice.tiles) == sorted(choice.tiles)
+            assert llm.driver.kernel(hal_op(op), choice.kernel).op == hal_op(op)
+    line = plan.describe()
+    assert line.startswith("deterministic mode, cpu_eager attention; qkv_proj ")
+    hf = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=False).plan
+    assert hf.mode == "hf-exact" and not hf.stacked and not hf.split
+    assert all(not c.tiles and c.kernel == "torch" for _, c in hf.prompt)

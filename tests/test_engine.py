@@ -1,11 +1,13 @@
 """The engine: batching and chunked prefill parity, isolation, lifecycle, pool and fences.
 
-Batch and chunk parity tolerance: tokens must be equal; final-loop logits may differ by at most
-LOGIT_TOLERANCE, since a kernel may round a row differently depending on the other rows of its
-call (bit-exactness across batch shapes is the deterministic mode's contract, not this one's).
-Measured on the project's 2-core AVX2 CPU (2026-12-02): 0.0 for every case here, the
-hidden-2048 config included, except chunk size 1 with two interleaved prompts on the
-hidden-256 config: 0.227 and 0.125 (tokens still equal).
+Batch and chunk parity: each driver runs in its default mode. In deterministic mode (cpu's
+default) a request's tokens and logits equal those it gets alone, bit for bit. In HF-exact mode
+(npu's default) a kernel may round a row differently depending on the other rows of its call:
+final-loop logits may differ by at most LOGIT_TOLERANCE while the tokens fed are the same, and
+the tokens may part only where the batched run picked a token within LOGIT_TOLERANCE of the
+best (a near-tie). Measured on a 2-core EPYC with avx512_bf16 (2026-12-03): logits within
+0.19; one prompt of five parted at an exact tie (two logits of 11.625) on the hidden-2048
+config. On an AVX2-only EPYC earlier: within 0.227, no parting.
 """
 
 from __future__ import annotations
@@ -29,10 +31,19 @@ def _alone(ckpt, driver_name, prompts, params=PARAMS, **kw):
     return [llm.generate([p], params, return_logits=True)[0] for p in prompts]
 
 
-def _assert_same(got, want):
+def _assert_same(got, want, mode: str):
+    """``got`` (batched or chunked) against ``want`` (each alone), as ``mode`` promises."""
     for g, w in zip(got, want, strict=True):
-        assert g.token_ids == w.token_ids
-        assert (g.logits - w.logits).abs().max().item() <= LOGIT_TOLERANCE
+        if mode == "deterministic":
+            assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits)
+            continue
+        n = len(w.token_ids)
+        parted = next((i for i in range(n) if g.token_ids[i] != w.token_ids[i]), n)
+        fed_alike = min(parted + 1, n)  # steps whose inputs were the same tokens
+        assert (g.logits[:fed_alike] - w.logits[:fed_alike]).abs().max() <= LOGIT_TOLERANCE
+        if parted < n:  # only at a near-tie: the batched pick is nearly the best alone
+            best, picked = w.logits[parted].max(), w.logits[parted][g.token_ids[parted]]
+            assert best - picked <= LOGIT_TOLERANCE, f"tokens parted at step {parted}"
 
 
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)
@@ -41,7 +52,7 @@ def test_prompts_generated_together_match_each_generated_alone(checkpoints, driv
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 33, 9, 40)]
     llm = LLM(ckpt, device=driver_name, block_size=16, num_blocks=32)
     together = llm.generate(prompts, PARAMS, return_logits=True)
-    _assert_same(together, _alone(ckpt, driver_name, prompts))
+    _assert_same(together, _alone(ckpt, driver_name, prompts), llm.mode)
     assert llm.engine.num_free_blocks == 32
 
 
@@ -51,9 +62,8 @@ def test_chunked_prefill_matches_full_prefill(checkpoints, driver_name, name, ch
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
     prompts = [prompt_of(37, seed=1), prompt_of(20, seed=2)]
     llm = LLM(ckpt, device=driver_name, block_size=16, num_blocks=32, prefill_chunk_size=chunk)
-    _assert_same(
-        llm.generate(prompts, PARAMS, return_logits=True), _alone(ckpt, driver_name, prompts)
-    )
+    got = llm.generate(prompts, PARAMS, return_logits=True)
+    _assert_same(got, _alone(ckpt, driver_name, prompts), llm.mode)
 
 
 def test_poisoning_one_requests_pages_mid_batch_leaves_the_others_untouched(tiny_ckpt, driver_name):
@@ -93,7 +103,7 @@ def test_sixteen_concurrent_requests_all_finish_with_their_own_outputs(tiny_ckpt
         prefill_chunk_size=24,
     )
     together = llm.generate(prompts, PARAMS, return_logits=True)
-    _assert_same(together, _alone(tiny_ckpt, driver_name, prompts))
+    _assert_same(together, _alone(tiny_ckpt, driver_name, prompts), llm.mode)
     assert llm.engine.num_free_blocks == 64
 
 

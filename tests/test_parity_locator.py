@@ -23,8 +23,8 @@ class PerturbedBackend(EagerBackend):
     def __init__(self, plane: int, position: int) -> None:
         self.plane, self.position = plane, position
 
-    def forward(self, query, plane, kv, meta, scaling):
-        out = super().forward(query, plane, kv, meta, scaling)
+    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        out = super().forward(query, plane, kv, meta, scaling, deterministic)
         if plane == self.plane:
             for seq in meta.seqs:
                 row = self.position - seq.context_len

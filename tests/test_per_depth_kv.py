@@ -6,6 +6,7 @@ import torch
 
 from hal.types import AttentionMetadata, SequenceSlice
 from runtime_glue.llm import LLM
+from runtime_glue.model import StepInputs
 from runtime_glue.sampling import SamplingParams
 from tests.helpers import GREEDY, prompt_of
 
@@ -67,7 +68,8 @@ def test_changing_a_later_token_never_changes_earlier_logits(tiny_ckpt, driver_n
     def all_logits(ids: list[int]) -> torch.Tensor:
         slots = torch.arange(n)
         meta = AttentionMetadata((SequenceSlice(0, n, 0, slots),), slots, n)
-        return model.forward(torch.tensor(ids), torch.arange(n), meta, torch.arange(n))
+        rows = torch.arange(n)
+        return model.forward(StepInputs(torch.tensor(ids), rows, meta, rows, n, n, n - 1))
 
     a = prompt_of(n, seed=5)
     b = list(a)

@@ -7,11 +7,13 @@ import mmap
 import resource
 import sys
 
+import attrs
 import torch
 
 from drivers.cpu import kernels
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import CompletedFence, Device, Driver, Fence
+from hal.kernels import KernelUnavailable
 from hal.types import AttentionMetadata, KVLayout
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,26 @@ class CpuDevice(Device):
         return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
 
 
+@attrs.frozen
+class RowContexts:
+    """Where each query row of a step reads its keys: ``slots[off[r] : off[r] + len[r]]``."""
+
+    slots: torch.Tensor  # int64, every request's kv_slots back to back
+    off: torch.Tensor  # int64 [rows]
+    len: torch.Tensor  # int64 [rows]: context_len + i + 1 for the request's i-th row
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> RowContexts:
+        off, lens = [0] * meta.num_tokens, [0] * meta.num_tokens
+        base = 0
+        for s in meta.seqs:
+            for i in range(s.query_len):
+                off[s.query_start + i], lens[s.query_start + i] = base, s.context_len + i + 1
+            base += s.kv_len
+        slots = torch.cat([s.kv_slots for s in meta.seqs]) if meta.seqs else torch.zeros(0)
+        return cls(slots.long().contiguous(), torch.tensor(off), torch.tensor(lens))
+
+
 class CpuEagerBackend(EagerBackend):
     """HF eager order; in deterministic mode, the driver's fp32 kernel over the paged cache
     (``kernels.paged_attention``), or the shared torch form where it cannot be built."""
@@ -61,48 +83,42 @@ class CpuEagerBackend(EagerBackend):
 
     def __init__(self) -> None:
         self._kernel: bool | None = None  # decided at the first deterministic step
-        self._rows: tuple[AttentionMetadata, kernels.RowContexts] | None = None
+        self._rows: tuple[AttentionMetadata, RowContexts] | None = None
 
     def _use_kernel(self) -> bool:
         if self._kernel is None:
             try:
-                kernels.load()
+                kernels.library()
                 self._kernel = True
-            except kernels.KernelsUnavailable as exc:
+            except KernelUnavailable as exc:
                 logger.warning("deterministic attention runs on torch's kernels: %s", exc)
                 self._kernel = False
         return self._kernel
 
-    def forward(self, query, plane, kv, meta, scaling):
-        if not (meta.deterministic and isinstance(kv, TensorKVStore) and self._use_kernel()):
-            return super().forward(query, plane, kv, meta, scaling)
+    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        if not (deterministic and isinstance(kv, TensorKVStore) and self._use_kernel()):
+            return super().forward(query, plane, kv, meta, scaling, deterministic)
         if self._rows is None or self._rows[0] is not meta:  # built once per step, not per plane
-            self._rows = (meta, kernels.RowContexts.of(meta))
+            self._rows = (meta, RowContexts.of(meta))
+        rows = self._rows[1]
         return kernels.paged_attention(
-            query, kv.key_cache[plane], kv.value_cache[plane], self._rows[1], scaling
+            query,
+            kv.key_cache[plane],
+            kv.value_cache[plane],
+            rows.slots,
+            rows.off,
+            rows.len,
+            scaling,
         )
 
 
 class CpuDriver(Driver):
-    linear_kernels = ("avx2",)
-    preferred_linear = "avx2"
-    column_invariant_linears = ("avx2",)
-
     def create_kv_store(self, layout: KVLayout) -> TensorKVStore:
         return TensorKVStore(layout, self.device.torch_device)
-
-    def linear(self, name: str):
-        if name != "avx2":
-            return super().linear(name)
-        kernels.load()  # fails here, with what to install, rather than mid-request
-        return kernels.bf16_linear
-
-    def deterministic_rms_norm(self):
-        kernels.load()
-        return kernels.rms_norm
 
 
 def create(index: int | None = None) -> CpuDriver:
     if index not in (None, 0):
         raise ValueError(f"the cpu driver has one device, index 0; got cpu:{index}")
-    return CpuDriver("cpu", CpuDevice(), {"cpu_eager": CpuEagerBackend()}, "cpu_eager")
+    backends = {"cpu_eager": CpuEagerBackend()}
+    return CpuDriver("cpu", CpuDevice(), backends, "cpu_eager", kernels.KERNELS)

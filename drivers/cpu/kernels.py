@@ -1,26 +1,27 @@
-"""The cpu driver's own kernels, for CPUs without bf16 instructions (AVX2 + FMA).
+"""The cpu driver's own kernels, as torch custom ops (``torch.ops.rlt_cpu.*``).
 
-- ``bf16_linear`` (``--linear avx2``, ``csrc/bf16_linear.c``). On such CPUs torch's bf16 GEMM
-  runs at 12-18 GFLOP/s whatever the row count (measured on this project's 2-core EPYC; see
-  docs/benchmarks.md), so one-row decode is compute-bound and prefill gets a fraction of the
-  fp32 rate. The kernel reads the bf16 weights once, widens them in registers and sums in
-  fp32: decode becomes bound by memory bandwidth, and batched rows share each weight read.
+- ``linear_avx2`` (``csrc/linear_avx2.c``): bf16 weights widened in registers, fp32 sums.
+  On CPUs without bf16 instructions torch's bf16 GEMM runs at 12-18 GFLOP/s whatever the row
+  count, and this kernel is several times faster at every row count.
+- ``linear_avx512bf16`` (``csrc/linear_avx512bf16.c``): the same contract with AVX-512 BF16
+  dot products, offered only where the CPU has them. There torch's GEMM is faster at large
+  row counts and this kernel at small ones; the execution plan measures which to use where.
 - ``paged_attention`` (``csrc/attention.c``): deterministic-mode attention read straight from
-  the bf16 paged cache in fp32, one call per plane for every row of the step, instead of a
-  gather, an fp32 copy of the whole context and two matmuls per request and row.
-- ``rms_norm`` (``csrc/rms_norm.c``): deterministic-mode RMSNorm in one call instead of
-  HF's ten torch operations (a decode step runs 4 per layer and loop).
+  the bf16 paged cache, one call per plane for every row of a step.
+- ``rms_norm`` (``csrc/rms_norm.c``) and ``silu_mul`` (``csrc/silu_mul.c``): HF's roundings,
+  with every row (every element) computed by the same code wherever it falls in a call.
 
-None promises HF's bits (sums run in another order than torch's), but all are
-row-invariant by construction, so deterministic mode can use them. The shared library is
-built on first use with the system C compiler into ``$RLT_HAL_CACHE/kernels`` (default
-~/.cache/rlt-hal), named by a hash of the sources and flags, and loaded with ctypes into a
+None is HF-exact; all are row-invariant by construction. ``csrc/rlt_cpu.h`` declares their C
+interface once: the compiler checks the sources against it and cffi reads it. The shared
+library is built on first use with the system C compiler into ``$RLT_HAL_CACHE/kernels``
+(default ~/.cache/rlt-hal), named by a hash of the sources and flags, and loaded into a
 process where torch has already loaded ``libgomp.so.1``, so both use one OpenMP thread pool.
+As custom ops with fake implementations, the profiler records them by name and
+``torch.compile`` can trace through them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import os
@@ -29,175 +30,248 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import attrs
 import torch
+from torch import Tensor
 
 from hal.cache import cache_dir
-from hal.interfaces import KERNEL_PREFIX
-from hal.types import AttentionMetadata
+from hal.kernels import Kernel, KernelUnavailable
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "bf16_linear.c", CSRC / "attention.c", CSRC / "rms_norm.c")
-HEADERS = (CSRC / "bf16.h",)
+HEADER = CSRC / "rlt_cpu.h"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
-class KernelsUnavailable(RuntimeError):
-    """The kernels cannot run here; the message says what to install or choose instead."""
+def _sources() -> list[Path]:
+    return sorted(CSRC.glob("*.c"))
+
+
+# Keys the execution plan's cached timings: any change to the C sources changes it.
+VERSION = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]")))).hexdigest()[
+    :16
+]
 
 
 def _compiler() -> str:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
-        raise KernelsUnavailable(
-            f"the cpu driver's avx2 kernels are compiled on first use, and no C compiler {cc!r} was "
+        raise KernelUnavailable(
+            f"the cpu driver's kernels are compiled on first use, and no C compiler {cc!r} was "
             "found: install one (apt install gcc) or set CC, or use --linear torch"
         )
     return cc
 
 
-def _library_path(cc: str) -> Path:
-    key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join((cc, *FLAGS)).encode()
-    )
+def _library_path(cc: str, sources: list[Path]) -> Path:
+    files = sorted((*sources, *CSRC.glob("*.h")))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join((cc, *FLAGS)).encode())
     return cache_dir() / "kernels" / f"rlt_cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
+def _build(cc: str, sources: list[Path], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        cmd = [cc, *FLAGS, "-I", str(CSRC), "-o", str(built), *map(str, sources), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelUnavailable(
+                f"compiling {', '.join(map(str, sources))} with {cc} failed:\n{proc.stderr.strip()}"
+            )
+        built.replace(path)  # atomic: concurrent builders never load a partial file
+
+
 @functools.cache
-def load() -> ctypes.CDLL:
-    """Build (once per source version) and load the kernels; KernelsUnavailable if not here."""
+def library():
+    """Build (once per source version) and load the kernels: ``(ffi, lib)``, or
+    KernelUnavailable saying what is missing."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        raise KernelsUnavailable(
-            f"the cpu driver's avx2 kernels need a CPU with AVX2 and FMA; torch reports "
+        raise KernelUnavailable(
+            f"the cpu driver's kernels need a CPU with AVX2 and FMA; torch reports "
             f"{capability!r}: use --linear torch"
         )
+    import cffi
+
     cc = _compiler()
-    path = _library_path(cc)
+    sources = _sources()
+    path = _library_path(cc, sources)
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            proc = subprocess.run(
-                [cc, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"],
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                raise KernelsUnavailable(
-                    f"compiling {', '.join(map(str, SOURCES))} with {cc} failed:\n"
-                    f"{proc.stderr.strip()}"
-                )
-            built.replace(path)  # atomic: concurrent builders never load a partial file
+        _build(cc, sources, path)
+    ffi = cffi.FFI()
+    ffi.cdef("\n".join(ln for ln in HEADER.read_text().splitlines() if not ln.startswith("#")))
     try:
-        lib = ctypes.CDLL(str(path))
+        return ffi, ffi.dlopen(str(path))
     except OSError as exc:
-        raise KernelsUnavailable(f"loading the cpu driver's kernels {path} failed: {exc}") from exc
-    lib.rlt_bf16_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
-    lib.rlt_bf16_linear.restype = ctypes.c_int
-    lib.rlt_paged_attention.argtypes = (
-        [ctypes.c_void_p, ctypes.c_long, ctypes.c_long]  # q, its row and head strides
-        + [ctypes.c_void_p] * 6  # k, v, slots, off, len, out
-        + [ctypes.c_int] * 4  # rows, heads, kv_heads, d
-        + [ctypes.c_float]  # scaling
-    )
-    lib.rlt_paged_attention.restype = ctypes.c_int
-    lib.rlt_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
-    lib.rlt_rms_norm.restype = None
-    return lib
+        raise KernelUnavailable(f"loading the cpu driver's kernels {path} failed: {exc}") from exc
 
 
-def _run(name: str, kernel, args) -> int:
-    if torch._C._autograd._profiler_enabled():  # marking costs ~10 us a call: only when seen
-        with torch.profiler.record_function(KERNEL_PREFIX + name):  # see KERNEL_PREFIX
-            return kernel(*args)
-    return kernel(*args)
+def avx512bf16_available() -> None:
+    """Raise KernelUnavailable unless this CPU, and torch's dispatch, have AVX-512 BF16."""
+    _, lib = library()
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not lib.rlt_has_avx512bf16():
+        raise KernelUnavailable(
+            "the avx512bf16 kernel needs a CPU with avx512_bf16 (grep avx512_bf16 /proc/cpuinfo) "
+            f"and torch's AVX512 dispatch (torch reports "
+            f"{torch.backends.cpu.get_cpu_capability()!r})"
+        )
 
 
-def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` for bf16 CPU tensors, x ``[..., K]``, w ``[N, K]``, via the kernel."""
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise TypeError(f"avx2 linear takes bf16 CPU tensors, got {x.dtype} and {w.dtype}")
+def _ptr(t: Tensor):
+    return library()[0].cast("void *", t.data_ptr())
+
+
+def _bf16_cpu(name: str, *tensors: Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            raise TypeError(f"{name} takes bf16 CPU tensors, got {t.dtype} on {t.device}")
+
+
+def _linear(name: str, x: Tensor, w: Tensor) -> Tensor:
+    _bf16_cpu(name, x, w)
     n, k = w.shape
     rows = x.reshape(-1, k).contiguous()
     w = w.contiguous()  # a no-op for loaded weights
     out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-    args = (rows.data_ptr(), w.data_ptr(), out.data_ptr(), rows.shape[0], n, k)
-    if rows.shape[0] and _run("bf16_linear", load().rlt_bf16_linear, args):
-        raise MemoryError(f"avx2 linear: no scratch memory for {rows.shape[0]} x {k} fp32")
+    kernel = getattr(library()[1], f"rlt_{name}")
+    if rows.shape[0] and kernel(_ptr(rows), _ptr(w), _ptr(out), rows.shape[0], n, k):
+        raise MemoryError(f"{name}: no scratch memory for {rows.shape[0]} x {k}")
     return out.view(*x.shape[:-1], n)
 
 
-@attrs.frozen
-class RowContexts:
-    """Where each query row of a step reads its keys: ``slots[off[r] : off[r] + len[r]]``."""
-
-    slots: torch.Tensor  # int64, every request's kv_slots back to back
-    off: torch.Tensor  # int64 [rows]
-    len: torch.Tensor  # int64 [rows]: context_len + i + 1 for the request's i-th row
-
-    @classmethod
-    def of(cls, meta: AttentionMetadata) -> RowContexts:
-        off, lens = [0] * meta.num_tokens, [0] * meta.num_tokens
-        base = 0
-        for s in meta.seqs:
-            for i in range(s.query_len):
-                off[s.query_start + i], lens[s.query_start + i] = base, s.context_len + i + 1
-            base += s.kv_len
-        slots = torch.cat([s.kv_slots for s in meta.seqs]) if meta.seqs else torch.zeros(0)
-        return cls(slots.long(), torch.tensor(off), torch.tensor(lens))
+@torch.library.custom_op("rlt_cpu::linear_avx2", mutates_args=())
+def linear_avx2(x: Tensor, w: Tensor) -> Tensor:
+    """``F.linear(x, w)`` for bf16 CPU tensors, x ``[..., K]``, w ``[N, K]``: AVX2 + FMA."""
+    return _linear("linear_avx2", x, w)
 
 
+@torch.library.custom_op("rlt_cpu::linear_avx512bf16", mutates_args=())
+def linear_avx512bf16(x: Tensor, w: Tensor) -> Tensor:
+    """``F.linear(x, w)`` with AVX-512 BF16 dot products (see ``avx512bf16_available``)."""
+    return _linear("linear_avx512bf16", x, w)
+
+
+@linear_avx2.register_fake
+@linear_avx512bf16.register_fake
+def _linear_fake(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.custom_op("rlt_cpu::paged_attention", mutates_args=())
 def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    rows: RowContexts,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    slots: Tensor,
+    off: Tensor,
+    lens: Tensor,
     scaling: float,
-) -> torch.Tensor:
+) -> Tensor:
     """Deterministic-mode attention for every row of a step over one plane.
 
     ``query [1, heads, N, d]`` bf16 (any strides with d contiguous); ``key_cache`` and
-    ``value_cache`` ``[slots, kv_heads, d]`` bf16 contiguous. Returns ``[N, heads * d]``.
+    ``value_cache`` ``[slots, kv_heads, d]`` bf16 contiguous. Row r reads its keys at
+    ``slots[off[r] : off[r] + lens[r]]`` (int64). Returns ``[N, heads * d]``.
     """
+    _bf16_cpu("paged_attention", query, key_cache, value_cache)
     _, heads, n, d = query.shape
-    kv_heads = key_cache.shape[1]
     if query.stride(-1) != 1:
         query = query.contiguous()
-    for t in (query, key_cache, value_cache):
-        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
-            raise TypeError(f"paged_attention takes bf16 CPU tensors, got {t.dtype} on {t.device}")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise TypeError("paged_attention takes contiguous K/V caches")
+    for t in (slots, off, lens):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise TypeError("paged_attention's slots, off and lens are contiguous int64")
     out = query.new_empty(n, heads * d)
-    args = (
-        query.data_ptr(),
-        query.stride(2),
-        query.stride(1),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        rows.slots.data_ptr(),
-        rows.off.data_ptr(),
-        rows.len.data_ptr(),
-        out.data_ptr(),
-        n,
-        heads,
-        kv_heads,
-        d,
-        scaling,
-    )
-    if n and _run("paged_attention", load().rlt_paged_attention, args):
+    args = [query.stride(2), query.stride(1), _ptr(key_cache), _ptr(value_cache)]
+    args += [_ptr(slots), _ptr(off), _ptr(lens), _ptr(out), n, heads, key_cache.shape[1], d]
+    if n and library()[1].rlt_paged_attention(_ptr(query), *args, scaling):
         raise MemoryError("cpu paged_attention: no scratch memory")
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+@paged_attention.register_fake
+def _attention_fake(query, key_cache, value_cache, slots, off, lens, scaling):
+    return query.new_empty(query.shape[2], query.shape[1] * query.shape[3])
+
+
+@torch.library.custom_op("rlt_cpu::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF's RMSNorm (two bf16 roundings) over the last dim, its sum of squares in a fixed order."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise TypeError(f"rms_norm takes bf16 CPU tensors, got {x.dtype} and {weight.dtype}")
+    _bf16_cpu("rms_norm", x, weight)
     n = weight.shape[0]
     rows = x.reshape(-1, n).contiguous()
     out = torch.empty_like(rows)
-    args = (rows.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), rows.shape[0], n, eps)
-    _run("rms_norm", load().rlt_rms_norm, args)
+    library()[1].rlt_rms_norm(
+        _ptr(rows), _ptr(weight.contiguous()), _ptr(out), rows.shape[0], n, eps
+    )
     return out.view(x.shape)
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("rlt_cpu::silu_mul", mutates_args=())
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``bf16(bf16(silu(gate)) * up)`` for ``[M, I]`` views sharing one row stride."""
+    _bf16_cpu("silu_mul", gate, up)
+    if gate.shape != up.shape or gate.dim() != 2 or gate.stride() != up.stride():
+        raise TypeError("silu_mul takes two [M, I] tensors with the same strides")
+    if gate.stride(1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    out = gate.new_empty(gate.shape)
+    rows, cols = gate.shape
+    library()[1].rlt_silu_mul(_ptr(gate), _ptr(up), gate.stride(0), _ptr(out), rows, cols)
+    return out
+
+
+@silu_mul.register_fake
+def _silu_mul_fake(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+def _loaded() -> None:
+    library()
+
+
+KERNELS = (
+    Kernel(
+        "linear",
+        "avx2",
+        linear_avx2,
+        row_invariant=True,
+        column_invariant=True,
+        check=_loaded,
+        version=VERSION,
+        description="csrc/linear_avx2.c: fp32 FMA sums over bf16 widened in registers",
+    ),
+    Kernel(
+        "linear",
+        "avx512bf16",
+        linear_avx512bf16,
+        row_invariant=True,
+        column_invariant=True,
+        check=avx512bf16_available,
+        version=VERSION,
+        description="csrc/linear_avx512bf16.c: vdpbf16ps dot products",
+    ),
+    Kernel(
+        "rms_norm",
+        "avx2",
+        rms_norm,
+        row_invariant=True,
+        check=_loaded,
+        version=VERSION,
+        description="csrc/rms_norm.c: HF's roundings, fixed-order sum of squares",
+    ),
+    Kernel(
+        "silu_mul",
+        "avx2",
+        silu_mul,
+        row_invariant=True,
+        check=_loaded,
+        version=VERSION,
+        description="csrc/silu_mul.c: HF's roundings, one exp code path for every element",
+    ),
+)

@@ -79,8 +79,8 @@ class CudaSdpaBackend(AttentionBackend):
     name = "cuda_sdpa"
     hf_exact = False
 
-    def forward(self, query, plane, kv, meta, scaling):
-        return paged_attention(query, plane, kv, meta, scaling, sdpa_attention)
+    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        return paged_attention(query, plane, kv, meta, scaling, sdpa_attention, deterministic)
 
 
 class CudaDriver(Driver):

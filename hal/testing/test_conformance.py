@@ -9,6 +9,7 @@ import torch
 
 from hal.eager import paged_eager_attention
 from hal.interfaces import AttentionBackend, Device, Driver, Fence, KVStore
+from hal.kernels import adversarial_rows, adversarial_weight, check_rows
 from hal.registry import Registry
 from hal.testing.reference import ATTENTION_BOUND, attention_f64, linear_f64
 from hal.types import AttentionMetadata, KVLayout, ProbeResult, SequenceSlice
@@ -21,11 +22,11 @@ def _rand(*shape, gen, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).bfloat16()
 
 
-def _meta(seqs, device, deterministic=False):
+def _meta(seqs, device):
     """seqs: (query_start, query_len, context_len, slots) -> metadata for one step."""
     slices = tuple(SequenceSlice(s, n, c, torch.as_tensor(sl).to(device)) for s, n, c, sl in seqs)
     new = torch.cat([sl.kv_slots[sl.context_len :] for sl in slices])
-    return AttentionMetadata(slices, new, sum(sl.query_len for sl in slices), deterministic)
+    return AttentionMetadata(slices, new, sum(sl.query_len for sl in slices))
 
 
 def _modes(driver):
@@ -110,10 +111,10 @@ def test_attention_is_within_the_stated_bound_of_float64(driver):
     dev = driver.device.torch_device
     seqs = [(0, 5, 11, list(range(16))), (5, 1, 30, list(range(32, 63)))]
     q = _rand(1, HEADS, 6, 32, gen=gen, scale=2.0).to(dev)
+    meta = _meta(seqs, dev)
     for backend, deterministic in _modes(driver):
-        meta = _meta(seqs, dev, deterministic)
         for plane in range(LAYOUT.num_planes):
-            out = backend.forward(q, plane, kv, meta, 32**-0.5).double().cpu()
+            out = backend.forward(q, plane, kv, meta, 32**-0.5, deterministic).double().cpu()
             for s in meta.seqs:
                 k, v = kv.gather(plane, s.kv_slots)
                 qs = q[:, :, s.query_start : s.query_start + s.query_len]
@@ -143,11 +144,9 @@ def test_attention_reads_only_its_plane_and_its_own_requests_slots(driver):
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
     q = _rand(1, HEADS, 5, 32, gen=gen).to(dev)
+    meta = _meta([(0, 3, 5, list(range(8))), (3, 2, 10, list(range(32, 44)))], dev)
     for backend, deterministic in _modes(driver):
-        meta = _meta(
-            [(0, 3, 5, list(range(8))), (3, 2, 10, list(range(32, 44)))], dev, deterministic
-        )
-        clean = backend.forward(q, 1, kv, meta, 32**-0.5)
+        clean = backend.forward(q, 1, kv, meta, 32**-0.5, deterministic)
         used = torch.zeros(LAYOUT.num_slots, dtype=torch.bool)
         used[list(range(8)) + list(range(32, 44))] = True
         saved = kv.gather(1, torch.arange(LAYOUT.num_slots, device=dev))
@@ -156,7 +155,9 @@ def test_attention_reads_only_its_plane_and_its_own_requests_slots(driver):
             kv.write(plane, poison, poison, torch.arange(LAYOUT.num_slots, device=dev))
         unused = torch.nonzero(~used)[:, 0].to(dev)
         kv.write(1, poison[: len(unused)], poison[: len(unused)], unused)
-        assert torch.equal(backend.forward(q, 1, kv, meta, 32**-0.5), clean), backend.name
+        assert torch.equal(backend.forward(q, 1, kv, meta, 32**-0.5, deterministic), clean), (
+            backend.name
+        )
         kv.write(
             1,
             saved[0][0].transpose(0, 1),
@@ -171,70 +172,121 @@ def test_a_query_never_sees_later_positions(driver):
     dev = driver.device.torch_device
     slots = list(range(20))
     q = _rand(1, HEADS, 8, 32, gen=gen).to(dev)
+    meta = _meta([(0, 8, 12, slots)], dev)  # positions 12..19
     for backend, deterministic in _modes(driver):
-        meta = _meta([(0, 8, 12, slots)], dev, deterministic)  # positions 12..19
-        before = backend.forward(q, 0, kv, meta, 32**-0.5)
+        before = backend.forward(q, 0, kv, meta, 32**-0.5, deterministic)
         later = torch.tensor([16, 17, 18, 19], device=dev)
         junk = _rand(4, 2, 32, gen=gen, scale=5.0).to(dev)
         kv.write(0, junk, junk, later)
-        after = backend.forward(q, 0, kv, meta, 32**-0.5)
+        after = backend.forward(q, 0, kv, meta, 32**-0.5, deterministic)
         assert torch.equal(after[:4], before[:4]), f"{backend.name} leaked future positions"
         assert not torch.equal(after[4:], before[4:])
 
 
-# -- projection and norm kernels -------------------------------------------------------------
+# -- kernels --------------------------------------------------------------------------------
+
+
+def _kernels(driver, op):
+    """The driver's kernels for ``op`` that can run here (unavailable ones say why, in -rs)."""
+    usable = [k for k in driver.kernels_for(op) if k.available() is None]
+    assert usable, f"{op}: not even torch's form can run"
+    return usable
 
 
 def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
     dev = driver.device.torch_device
     gen = torch.Generator().manual_seed(11)
     # Row counts of decode and prefill; N and K with tails that vectorised kernels must handle.
-    for name in ("torch", *driver.linear_kernels):
-        linear = driver.linear(name)
+    for kernel in _kernels(driver, "linear"):
         for m, n, k in ((1, 96, 64), (3, 37, 203), (40, 64, 256)):
             x, w = _rand(m, k, gen=gen).to(dev), _rand(n, k, gen=gen).to(dev)
-            got = linear(x, w)
-            assert got.shape == (m, n) and got.dtype == torch.bfloat16, name
+            got = kernel.fn(x, w)
+            assert got.shape == (m, n) and got.dtype == torch.bfloat16, kernel.name
             exact, bound = linear_f64(x, w)
             worst = ((got.double().cpu() - exact).abs() - bound).max().item()
-            assert worst <= 0, f"{name}: {m}x{k} @ {k}x{n} exceeds the bound by {worst:.3g}"
+            assert worst <= 0, f"{kernel.name}: {m}x{k} @ {k}x{n} exceeds the bound by {worst:.3g}"
 
 
-def test_column_invariant_kernels_give_the_same_bits_on_stacked_weights(driver):
-    # The runtime calls these kernels once on q|k|v and gate|up; the claim must hold exactly.
+def test_every_rms_norm_kernel_is_close_to_float64(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(13)
+    for kernel in _kernels(driver, "rms_norm"):
+        for n, eps, scale in ((64, 1e-6, 3.0), (203, 1e-5, 1.0), (256, 1e-2, 1e-3)):
+            x, w = _rand(16, n, gen=gen, scale=scale).to(dev), _rand(n, gen=gen).to(dev)
+            got = kernel.fn(x, w, eps)
+            assert got.shape == x.shape and got.dtype == torch.bfloat16, kernel.name
+            xd = x.double().cpu()
+            exact = w.double().cpu() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+            # HF's form rounds twice to bf16 (the normalised row, then the product): 2^-8 each.
+            err = ((got.double().cpu() - exact).abs() - exact.abs() * 2.0**-7).max().item()
+            assert err <= 1e-30, f"{kernel.name}: RMSNorm over {n} exceeds the bound by {err:.3g}"
+
+
+def test_every_silu_mul_kernel_is_close_to_float64(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(14)
+    for kernel in _kernels(driver, "silu_mul"):
+        for m, i in ((1, 8), (5, 203), (16, 256)):
+            both = _rand(m, 2 * i, gen=gen, scale=4.0).to(dev)  # gate|up, as a stacked call
+            gate, up = both[:, :i], both[:, i:]
+            got = kernel.fn(gate, up)
+            assert got.shape == (m, i) and got.dtype == torch.bfloat16, kernel.name
+            g, u = gate.double().cpu(), up.double().cpu()
+            exact = g * torch.sigmoid(g) * u
+            # Two bf16 roundings (silu, then the product) and an fp32 exp: within 2^-7.
+            err = ((got.double().cpu() - exact).abs() - exact.abs() * 2.0**-7).max().item()
+            assert err <= 1e-30, f"{kernel.name}: {m}x{i} exceeds the bound by {err:.3g}"
+
+
+def test_kernels_that_claim_hf_exactness_give_the_bits_of_torchs_form(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(15)
+    x, w = _rand(7, 203, gen=gen).to(dev), _rand(37, 203, gen=gen).to(dev)
+    calls = {
+        "linear": lambda fn: fn(x, w),
+        "rms_norm": lambda fn: fn(x, w[0], 1e-6),
+        "silu_mul": lambda fn: fn(x[:, :100], x[:, 100:200]),
+    }
+    for op, call in calls.items():
+        want = call(driver.kernel(op, "torch").fn)
+        for kernel in _kernels(driver, op):
+            if kernel.hf_exact:
+                assert torch.equal(call(kernel.fn), want), f"{op} {kernel.name}"
+
+
+def test_kernels_that_claim_row_invariance_keep_a_rows_bits_in_every_call(driver):
+    # Any row count, any position, beside any rows: the claim is "by construction", so it is
+    # checked on odd counts too, on inputs where any change of summation order shows.
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(16)
+    counts = (1, 2, 3, 4, 5, 8, 13, 16, 31, 32)
+    x = adversarial_rows(64, 203, gen).to(dev)
+    w = adversarial_weight(37, 203, gen).to(dev)
+    calls = {
+        "linear": lambda fn: lambda rows: fn(rows, w),
+        "rms_norm": lambda fn: lambda rows: fn(rows, w[0], 1e-6),
+        "silu_mul": lambda fn: lambda rows: fn(rows[:, :101], rows[:, 101:202]),
+    }
+    for op, bind in calls.items():
+        for kernel in _kernels(driver, op):
+            if kernel.row_invariant:
+                why = check_rows(bind(kernel.fn), x, counts)
+                assert why is None, f"{op} {kernel.name} claims row invariance, but {why}"
+
+
+def test_kernels_that_claim_column_invariance_give_the_same_bits_on_stacked_weights(driver):
+    # A runtime may call these kernels once on q|k|v and gate|up; the claim must hold exactly.
     dev = driver.device.torch_device
     gen = torch.Generator().manual_seed(12)
-    for name in driver.column_invariant_linears:
-        assert name in ("torch", *driver.linear_kernels), f"{name} is not an offered kernel"
-        linear = driver.linear(name)
+    for kernel in _kernels(driver, "linear"):
+        if not kernel.column_invariant:
+            continue
         for m, k in ((1, 64), (5, 203), (40, 256)):
             x = _rand(m, k, gen=gen).to(dev)
             parts = [_rand(n, k, gen=gen).to(dev) for n in (96, 37, 37)]
-            stacked = linear(x, torch.cat(parts))
-            separate = torch.cat([linear(x, w) for w in parts], dim=-1)
-            assert torch.equal(stacked, separate), f"{name}: {m} rows x K {k}"
-
-
-def test_a_deterministic_rms_norm_is_close_to_float64_and_row_invariant(driver):
-    try:
-        norm = driver.deterministic_rms_norm()
-    except RuntimeError as exc:
-        pytest.skip(f"the driver's RMSNorm kernel cannot run here: {exc}")
-    if norm is None:
-        pytest.skip("this driver runs HF's RMSNorm")
-    dev = driver.device.torch_device
-    gen = torch.Generator().manual_seed(13)
-    for n, eps, scale in ((64, 1e-6, 3.0), (203, 1e-5, 1.0), (256, 1e-2, 1e-3)):
-        x, w = _rand(16, n, gen=gen, scale=scale).to(dev), _rand(n, gen=gen).to(dev)
-        got = norm(x, w, eps)
-        assert got.shape == x.shape and got.dtype == torch.bfloat16
-        xd = x.double().cpu()
-        exact = w.double().cpu() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-        # HF's form rounds twice to bf16 (the normalised row, then the product): 2^-8 each.
-        err = ((got.double().cpu() - exact).abs() - exact.abs() * 2.0**-7).max().item()
-        assert err <= 1e-30, f"RMSNorm over {n} (eps {eps}) exceeds the bound by {err:.3g}"
-        for rows in (1, 3, 16):  # each row's bits depend on that row alone
-            assert torch.equal(norm(x[-rows:], w, eps), got[-rows:]), f"{rows} rows of {n}"
+            stacked = kernel.fn(x, torch.cat(parts))
+            separate = torch.cat([kernel.fn(x, w) for w in parts], dim=-1)
+            assert torch.equal(stacked, separate), f"{kernel.name}: {m} rows x K {k}"
 
 
 # -- end to end ----------------------------------------------------------------------------

@@ -47,6 +47,15 @@ def add_parsers(sub) -> None:
     det.add_argument("--runs", type=int, default=3)
     det.add_argument("--concurrency", type=int, default=8)
     det.set_defaults(func=cmd_determinism)
+    pl = kinds.add_parser(
+        "plans", help="the default execution plan against each single-kernel plan, one run"
+    )
+    _model_args(pl)
+    pl.add_argument("--input-len", type=int, default=64)
+    pl.add_argument("--output-len", type=int, default=16)
+    pl.add_argument("--runs", type=int, default=3)
+    pl.add_argument("--concurrency", type=int, default=8)
+    pl.set_defaults(func=cmd_plans)
     srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
     srv.add_argument("--url", required=True)
     srv.add_argument("--model", help="served model name (default: the server's first)")
@@ -117,6 +126,25 @@ def cmd_determinism(args) -> int:
     )
     report["preset"] = None if args.model else args.preset
     return _emit(args, report, markdown_determinism(report))
+
+
+def cmd_plans(args) -> int:
+    """Every plan shares one load of the weights and one KV pool."""
+    from runtime_glue.bench.engine_bench import compare_plans, markdown_plans
+
+    llm = _llm(args, args.concurrency * (args.input_len + args.output_len + args.block_size))
+    variants = {"default": llm}
+    for kernel in llm.driver.kernels_for("linear"):
+        try:
+            variants[f"deterministic, {kernel.name} only"] = llm.variant(True, kernel.name)
+        except RuntimeError as exc:  # cannot run here, or cannot keep the mode
+            print(f"skipping {kernel.name}: {exc}", file=sys.stderr)
+    variants["hf-exact (torch)"] = llm.variant(False)
+    report = compare_plans(
+        llm, variants, args.input_len, args.output_len, args.runs, args.concurrency
+    )
+    report["preset"] = None if args.model else args.preset
+    return _emit(args, report, markdown_plans(report))
 
 
 def cmd_serve(args) -> int:

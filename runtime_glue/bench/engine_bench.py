@@ -10,7 +10,6 @@ import time
 
 import torch
 
-from hal.interfaces import KERNEL_PREFIX
 from runtime_glue.bench import floors
 from runtime_glue.llm import LLM
 from runtime_glue.sampling import SamplingParams
@@ -54,8 +53,8 @@ def _one_run(llm: LLM, prompt: list[int], output_len: int) -> dict:
 
 
 def python_overhead(llm: LLM, prompt: list[int]) -> dict:
-    """Wall time of one decode step against the time its kernels ran (torch.profiler): aten
-    ops, and kernels called outside aten (``hal.interfaces.KERNEL_PREFIX``)."""
+    """Wall time of one decode step against the time its kernels ran (torch.profiler): every
+    dispatcher op, aten's and the drivers' custom ops alike (``namespace::name``)."""
     eng = llm.engine
     eng.add_request("overhead", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     eng.step()  # prefill
@@ -65,10 +64,7 @@ def python_overhead(llm: LLM, prompt: list[int]) -> dict:
         wall = time.perf_counter() - start
     while eng.has_unfinished():
         eng.step()
-    kinds = ("aten::", KERNEL_PREFIX)
-    kernels = (
-        sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith(kinds)) / 1e6
-    )
+    kernels = sum(e.self_cpu_time_total for e in prof.key_averages() if "::" in e.key) / 1e6
     return {
         "decode_step_wall_s": wall,
         "kernel_self_time_s": kernels,
@@ -77,13 +73,13 @@ def python_overhead(llm: LLM, prompt: list[int]) -> dict:
 
 
 def measure_floors(llm: LLM, rows: list[int]) -> dict:
+    """Read bandwidth, and the GEMM rate of the kernel the plan runs prompt rows through."""
     dev, sync = llm.driver.device.torch_device, llm.driver.device.synchronize
+    linear = llm.model.kernels["prompt"]["gate_up_proj"]
     return {
         "bandwidth": floors.read_bandwidth(dev, sync),
-        "gemm_kernel": llm.linear,
-        "gemm_flops": {
-            r: floors.gemm_rate(dev, sync, r, linear=llm.model.linear) for r in sorted(set(rows))
-        },
+        "gemm_kernel": llm.plan.choice("prompt", "gate_up_proj").kernel,
+        "gemm_flops": {r: floors.gemm_rate(dev, sync, r, linear=linear) for r in sorted(set(rows))},
     }
 
 
@@ -120,9 +116,8 @@ def latency(llm: LLM, input_lens: list[int], output_len: int, runs: int, warmup:
         "machine": machine(),
         "device": llm.driver.label,
         "attention_backend": llm.model.backend.name,
-        "deterministic": llm.model.deterministic,
-        "linear": llm.linear,
-        "mode": llm.mode,
+        "mode": llm.plan.mode,
+        "plan": llm.plan.describe(),
         "config": {
             "hidden_size": cfg.hidden_size,
             "layers": cfg.num_hidden_layers,
@@ -173,8 +168,8 @@ def baseline(llm: LLM, input_len: int, output_len: int, runs: int, concurrency: 
     out = {
         "machine": machine(),
         "device": llm.driver.label,
-        "linear": llm.linear,
-        "mode": llm.mode,
+        "mode": llm.plan.mode,
+        "plan": llm.plan.describe(),
         "input_len": input_len,
         "output_len": output_len,
         "runs": runs,
@@ -252,5 +247,69 @@ def markdown_determinism(report: dict) -> str:
     for level, r in report["levels"].items():
         lines.append(
             f"| {level} | {r['off_tok_s']:.2f} | {r['on_tok_s']:.2f} | {100 * r['cost']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def compare_plans(
+    llm: LLM, variants: dict[str, LLM], input_len: int, output_len: int, runs: int, concurrency: int
+) -> dict:
+    """TTFT and TPOT of one request and throughput of ``concurrency`` requests under each plan,
+    runs interleaved, each figure also as a ratio to the best plan's."""
+    vocab = llm.config.vocab_size
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    prompts = [_prompt(input_len, vocab, seed=i) for i in range(concurrency)]
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"ttft": [], "tpot": [], "tok_s": []} for name in variants
+    }
+    for _ in range(runs):
+        for name, v in variants.items():
+            one = _one_run(v, prompts[0], output_len)
+            samples[name]["ttft"].append(one["ttft"])
+            samples[name]["tpot"].append(one["tpot"])
+            start = time.perf_counter()
+            v.generate(prompts, params)
+            samples[name]["tok_s"].append(concurrency * output_len / (time.perf_counter() - start))
+    med = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    best = {
+        "ttft": min(m["ttft"] for m in med.values()),
+        "tpot": min(m["tpot"] for m in med.values()),
+        "tok_s": max(m["tok_s"] for m in med.values()),
+    }
+    plans = {}
+    for name, v in variants.items():
+        m = med[name]
+        plans[name] = {
+            "plan": v.plan.describe(),
+            "mode": v.plan.mode,
+            "ttft_s": m["ttft"],
+            "tpot_s": m["tpot"],
+            f"c{concurrency}_tok_s": m["tok_s"],
+            "ttft_over_best": m["ttft"] / best["ttft"],
+            "tpot_over_best": m["tpot"] / best["tpot"],
+            f"c{concurrency}_best_over_this": best["tok_s"] / m["tok_s"],
+        }
+    return {
+        "machine": machine(),
+        "device": llm.driver.label,
+        "input_len": input_len,
+        "output_len": output_len,
+        "runs": runs,
+        "concurrency": concurrency,
+        "plans": plans,
+    }
+
+
+def markdown_plans(report: dict) -> str:
+    c = report["concurrency"]
+    lines = [
+        f"| plan | mode | TTFT p50 (s) | x best | TPOT p50 (s) | x best | c={c} tok/s | x best |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in report["plans"].items():
+        lines.append(
+            f"| {name} | {r['mode']} | {r['ttft_s']:.3f} | {r['ttft_over_best']:.2f} | "
+            f"{r['tpot_s']:.3f} | {r['tpot_over_best']:.2f} | {r[f'c{c}_tok_s']:.2f} | "
+            f"{r[f'c{c}_best_over_this']:.2f} |"
         )
     return "\n".join(lines)

@@ -12,6 +12,7 @@
  * are split over the OpenMP threads; query heads sharing a KV head (GQA) read each K/V row once.
  */
 #include "bf16.h"
+#include "rlt_cpu.h"
 #include <math.h>
 #include <stdlib.h>
 

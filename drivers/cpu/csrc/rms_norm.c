@@ -7,6 +7,7 @@
  * replaces the ten torch operations of HF's form.
  */
 #include "bf16.h"
+#include "rlt_cpu.h"
 #include <math.h>
 
 /* x, y: [rows, n] contiguous bf16; w: [n] bf16. */

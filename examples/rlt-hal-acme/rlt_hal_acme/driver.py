@@ -1,11 +1,18 @@
-"""The acme driver: host CPU, ``index_copy_`` KV writes, HF-order eager attention."""
+"""The acme driver: host CPU, ``index_copy_`` KV writes, HF-order eager attention, and one
+projection kernel of its own (fp32 accumulation), offered as a ``hal.Kernel`` value."""
 
 from __future__ import annotations
 
 import torch
 
-from hal import CompletedFence, Device, Driver
+from hal import CompletedFence, Device, Driver, Kernel
 from hal.eager import EagerBackend, TensorKVStore
+
+
+def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in fp32, rounded to bf16 once. It claims nothing the kit would have to
+    refute: not HF's bits, and no invariance (an fp32 GEMM's path depends on the row count)."""
+    return torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
 
 
 class AcmeDevice(Device):
@@ -39,4 +46,6 @@ class AcmeDriver(Driver):
 def create(index: int | None = None) -> AcmeDriver:
     if index not in (None, 0):
         raise ValueError(f"acme has one device, index 0; got acme:{index}")
-    return AcmeDriver("acme", AcmeDevice(), {"acme_eager": AcmeEagerBackend()}, "acme_eager")
+    kernels = [Kernel("linear", "fp32", fp32_linear, description="F.linear in fp32")]
+    backends = {"acme_eager": AcmeEagerBackend()}
+    return AcmeDriver("acme", AcmeDevice(), backends, "acme_eager", kernels)

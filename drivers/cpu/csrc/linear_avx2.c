@@ -12,6 +12,7 @@
  * split across the OpenMP threads that torch also uses. (A 2 x 4 block measured the same.)
  */
 #include "bf16.h"
+#include "rlt_cpu.h"
 #include <stdlib.h>
 
 #define NB 4   /* weight rows per register block */
@@ -45,8 +46,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int ldx,
                 f32_to_bf16(finish(acc[i][j], x + (size_t)j * ldx, w + (size_t)i * K, K8, K));
 }
 
-/* Returns 0, or -1 when scratch memory cannot be allocated. */
-int rlt_bf16_linear(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K) {
+int rlt_linear_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K) {
     float *xf = malloc((size_t)M * K * sizeof(float));
     if (!xf) return -1;
     for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);

@@ -1,0 +1,35 @@
+/* The cpu driver's kernels: the one declaration of their C interface.
+ *
+ * The compiler checks every definition against it (each source includes this file), and
+ * drivers/cpu/kernels.py hands the same text to cffi, so the signatures are written once.
+ * Keep it to plain prototypes: cffi parses it without a preprocessor (lines starting with
+ * '#' are dropped before cffi reads it).
+ *
+ * Tensors are bf16 passed as uint16_t, row-major and contiguous unless a stride is given.
+ * Functions that allocate scratch memory return 0, or -1 when it cannot be allocated.
+ */
+#ifndef RLT_CPU_H
+#define RLT_CPU_H
+#include <stdint.h>
+
+/* y [M, N] = x [M, K] @ w [N, K]^T, fp32 sums, AVX2 + FMA. */
+int rlt_linear_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K);
+
+/* The same with AVX-512 BF16 dot products (vdpbf16ps): only where rlt_has_avx512bf16(). */
+int rlt_linear_avx512bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K);
+int rlt_has_avx512bf16(void);
+
+/* Deterministic attention over one plane of the paged cache (see attention.c). */
+int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16_t *k,
+                        const uint16_t *v, const int64_t *slots, const int64_t *off,
+                        const int64_t *len, uint16_t *out, int rows, int heads, int kv_heads,
+                        int d, float scaling);
+
+/* HF's RMSNorm over rows of n: y = w * bf16(x * rsqrt(mean(x^2) + eps)). */
+void rlt_rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
+
+/* y [rows, cols] = bf16(bf16(silu(gate)) * up); gate and up rows are ld elements apart. */
+void rlt_silu_mul(const uint16_t *gate, const uint16_t *up, long ld, uint16_t *y, int rows,
+                  int cols);
+
+#endif
