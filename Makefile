@@ -22,8 +22,15 @@ setup: $(STAMP)
 lint: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pre-commit run --all-files --show-diff-on-failure
 
+# The suite must hold whichever GEMM path a CPU's libraries pick: the determinism and engine
+# parity tests run again under torch's and oneDNN's AVX2 dispatch (the closest this machine's
+# CPU comes to an AVX2-only one, whatever it is).
+AVX2_DISPATCH := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(AVX2_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_deterministic.py \
+		tests/test_engine.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing --rlt-driver cpu \
 		--rlt-driver acme
 	RLT_HAL_NPU_EMULATE=1 $(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing \
