@@ -7,9 +7,11 @@ back, and it records which candidates it skipped and why.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from typing import cast
 
 import attrs
 import pluggy
@@ -54,22 +56,60 @@ def safe_probe(spec: DriverSpec) -> ProbeResult:
         return ProbeResult(False, f"probe raised {type(exc).__name__}: {exc}")
 
 
+def broken_plugin(name: str, error: str) -> DriverSpec:
+    """A plug-in that failed to load or to register: listed, never available, saying why."""
+    reason = f"its plug-in failed: {error}"
+
+    def create(**_options):
+        raise RuntimeError(f"driver {name!r} cannot be created: {reason}")
+
+    return DriverSpec(name, lambda: ProbeResult(False, reason), create, "broken plug-in")
+
+
 class Registry:
-    """All drivers that plugins registered, by name."""
+    """All drivers that plugins registered, by name.
+
+    Each plug-in loads and registers on its own: one that raises (a missing dependency, a
+    bug) becomes an unavailable driver named after its entry point, whose reason is the
+    error, and every other driver still works.
+    """
 
     def __init__(self, plugins: Iterable[object] = (), load_entrypoints: bool = True) -> None:
         self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.plugin_manager.add_hookspecs(hookspecs)
+        self._specs: dict[str, DriverSpec] = {}
         if load_entrypoints:
-            self.plugin_manager.load_setuptools_entrypoints(hookspecs.PROJECT_NAME)
+            self._load_entrypoints()
         for plugin in plugins:
             self.plugin_manager.register(plugin)
-        self._specs: dict[str, DriverSpec] = {}
-        for batch in self.plugin_manager.hook.rlt_hal_register_drivers():
-            for spec in batch:
-                if spec.name in self._specs:
-                    raise RuntimeError(f"two plugins register a driver named {spec.name!r}")
-                self._specs[spec.name] = spec
+        for impl in self.plugin_manager.hook.rlt_hal_register_drivers.get_hookimpls():
+            name = self.plugin_manager.get_name(impl.plugin) or repr(impl.plugin)
+            try:
+                specs = list(cast(Iterable[DriverSpec], impl.function()))
+                if not all(isinstance(s, DriverSpec) for s in specs):
+                    raise TypeError("rlt_hal_register_drivers must return DriverSpec values")
+            except Exception as exc:  # noqa: BLE001 - a third-party plug-in may fail in any way
+                self._add(broken_plugin(name, f"{type(exc).__name__}: {exc}"))
+                continue
+            for spec in specs:
+                self._add(spec)
+
+    def _load_entrypoints(self) -> None:
+        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT_NAME):
+            if self.plugin_manager.get_plugin(ep.name) is not None:
+                continue  # one distribution installed twice on the path
+            try:
+                self.plugin_manager.register(ep.load(), name=ep.name)
+            except Exception as exc:  # noqa: BLE001 - importing a plug-in may fail in any way
+                logger.warning("rlt_hal plug-in %s (%s) failed to load: %s", ep.name, ep.value, exc)
+                self._add(
+                    broken_plugin(ep.name, f"loading {ep.value}: {type(exc).__name__}: {exc}")
+                )
+
+    def _add(self, spec: DriverSpec) -> None:
+        if spec.name in self._specs:
+            raise RuntimeError(f"two plugins register a driver named {spec.name!r}")
+        self._specs[spec.name] = spec
 
     @property
     def names(self) -> list[str]:

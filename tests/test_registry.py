@@ -121,3 +121,60 @@ def test_an_explicit_unknown_backend_fails_loudly(tiny_ckpt):
 
     with pytest.raises(ValueError, match="'ascend_eager' is not offered by driver 'cpu'"):
         LLM(tiny_ckpt, device="cpu", attention_backend="ascend_eager")
+
+
+def _install_broken_plugins(tmp_path):
+    """Two broken plug-in distributions on a path, next to the installed ones (acme among
+    them): one whose module fails to import, one whose hook raises."""
+    (tmp_path / "needs_sdk.py").write_text("import acme_vendor_sdk  # not installed\n")
+    (tmp_path / "raises_in_hook.py").write_text(
+        "from hal import hookimpl\n\n\n@hookimpl\ndef rlt_hal_register_drivers():\n"
+        "    raise RuntimeError('no licence for the widget accelerator')\n"
+    )
+    for dist, entry in (("needs-sdk", "needs_sdk"), ("raises-in-hook", "raises_in_hook")):
+        info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[rlt_hal]\n{dist} = {entry}\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+
+
+def test_a_broken_plug_in_is_listed_with_its_error_and_the_others_still_work(tmp_path, tiny_ckpt):
+    env = _install_broken_plugins(tmp_path)
+    env.pop("RLT_HAL_NPU_EMULATE", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime_glue.cli", "drivers", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert rows["cpu"]["available"] and rows["acme"]["available"]
+    assert not rows["needs-sdk"]["available"]
+    assert (
+        "loading needs_sdk: ModuleNotFoundError: No module named 'acme_vendor_sdk'"
+        in (rows["needs-sdk"]["reason"])
+    )
+    assert not rows["raises-in-hook"]["available"]
+    assert "RuntimeError: no licence for the widget accelerator" in rows["raises-in-hook"]["reason"]
+    # Asked for by name, a broken plug-in's driver says why; any other still generates.
+    gen = [sys.executable, "-m", "runtime_glue.cli", "generate", "--model", str(tiny_ckpt)]
+    gen += ["--prompt-ids", "5,6", "--max-tokens", "2"]
+    bad = subprocess.run([*gen, "--device", "needs-sdk"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "its plug-in failed: loading needs_sdk" in bad.stderr
+    ok = subprocess.run([*gen, "--device", "acme"], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_hook_that_returns_something_else_than_driver_specs_is_a_broken_plug_in():
+    class Confused:
+        @hookimpl
+        def rlt_hal_register_drivers(self):
+            return ["cpu"]
+
+    reg = Registry(plugins=[Confused(), _Plugin(_spec("cpu"))], load_entrypoints=False)
+    probes = {spec.name: probe for spec, probe in reg.probe_all()}
+    assert probes["cpu"].available
+    [broken] = [p for name, p in probes.items() if name != "cpu"]
+    assert "must return DriverSpec values" in broken.reason
