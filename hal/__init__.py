@@ -1,10 +1,18 @@
 """rlt-hal's hardware-abstraction layer: the contract between the runtime and device drivers."""
 
 from hal.hookspecs import hookimpl, hookspec
-from hal.interfaces import AttentionBackend, CompletedFence, Device, Driver, Fence, KVStore
+from hal.interfaces import (
+    AttentionBackend,
+    CompletedFence,
+    Device,
+    Driver,
+    EventFence,
+    Fence,
+    KVStore,
+)
 from hal.kernels import Kernel, KernelUnavailable
 from hal.registry import DEVICE_ENV_VAR, Registry, Selection, default_registry, parse_device
-from hal.types import AttentionMetadata, DriverSpec, KVLayout, ProbeResult, SequenceSlice
+from hal.types import AttentionMetadata, DriverSpec, KVLayout, ProbeResult
 
 __all__ = [
     "DEVICE_ENV_VAR",
@@ -14,6 +22,7 @@ __all__ = [
     "Device",
     "Driver",
     "DriverSpec",
+    "EventFence",
     "Fence",
     "KVLayout",
     "KVStore",
@@ -22,7 +31,6 @@ __all__ = [
     "ProbeResult",
     "Registry",
     "Selection",
-    "SequenceSlice",
     "default_registry",
     "hookimpl",
     "hookspec",

@@ -73,14 +73,14 @@ def paged_attention(
     """
     _, heads, num_tokens, d = query.shape
     out = query.new_empty(num_tokens, heads * d)
-    for seq in meta.seqs:
-        start, q_len = seq.query_start, seq.query_len
+    for r in range(meta.num_requests):
+        start, q_len, context_len = meta.request(r)
         q = query[:, :, start : start + q_len, :]
-        k, v = kv.gather(plane, seq.kv_slots)
+        k, v = kv.gather(plane, meta.request_slots(r))
         if deterministic:
-            row_invariant_attention(q, k, v, scaling, seq.context_len, out[start : start + q_len])
+            row_invariant_attention(q, k, v, scaling, context_len, out[start : start + q_len])
             continue
-        o = attend(q, k, v, scaling, seq.context_len)
+        o = attend(q, k, v, scaling, context_len)
         out[start : start + q_len] = o.view(q_len, heads * d)
     return out
 

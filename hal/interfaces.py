@@ -36,6 +36,20 @@ class CompletedFence(Fence):
         return None
 
 
+class EventFence(Fence):
+    """A device event recorded on a stream (``torch.cuda.Event``, ``torch.npu.Event``)."""
+
+    def __init__(self, event, stream=None) -> None:
+        self.event = event
+        self.event.record(stream)
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
 class Device(abc.ABC):
     """One accelerator (or the host). Initialises lazily: construction never touches hardware."""
 
@@ -46,10 +60,6 @@ class Device(abc.ABC):
     def __init__(self, index: int = 0) -> None:
         self.index = index
         self._initialized = False
-
-    @property
-    def initialized(self) -> bool:
-        return self._initialized
 
     def initialize(self) -> None:
         """Import the vendor stack and select the device. Idempotent."""
@@ -68,8 +78,10 @@ class Device(abc.ABC):
     def memory_stats(self) -> dict[str, int]:
         return {}
 
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` copied to the host, waiting for it: the engine's one read of a step's
+        results goes through here (a host tensor on the cpu device, returned as it is)."""
+        return tensor.cpu()
 
     def alloc_weights(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """One flat, uninitialised buffer that the loader fills with every model weight.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -70,29 +70,123 @@ def check_block_size(block_size: int) -> None:
 
 
 @attrs.frozen(eq=False)
-class SequenceSlice:
-    """One request's share of a step: rows ``[query_start, query_start + query_len)`` of the
-    flat token batch, placed after ``context_len`` tokens already in the cache.
+class AttentionMetadata:
+    """Everything attention needs for one step, identical for all T * L planes of that step.
 
-    ``kv_slots`` (device tensor, int64, ``[context_len + query_len]``) are the cache slots of
-    every position the queries may attend to, in position order: the gather index for all
-    planes, built once per step from the block table.
+    Flat tensors, in the form fused paged-attention kernels take (vLLM's and Ascend's paged
+    and fused-infer attention), built once per step on the host and copied to the device once.
+    Request ``r`` of ``R`` owns rows ``query_start_loc[r] : query_start_loc[r + 1]`` of the
+    step's ``num_tokens`` rows. They sit at positions ``context_lens[r] ..`` after the tokens
+    already in the cache, so row ``i`` of the request sees positions ``0 .. context_lens[r] + i``
+    (``seq_lens[r] = context_lens[r] + query_len``), all in its own pages: position ``p``
+    lives in slot ``block_tables[r, p // block_size] * block_size + p % block_size`` of every
+    plane. ``slot_mapping[j]`` is the slot row ``j``'s new K/V is written to.
+
+    ``host_query_start_loc`` and ``host_context_lens`` hold the same bounds on the host, for
+    backends that loop over requests: reading them never waits for the device.
     """
 
-    query_start: int
-    query_len: int
-    context_len: int
-    kv_slots: torch.Tensor
+    block_size: int
+    slot_mapping: torch.Tensor  # [N] int64
+    block_tables: torch.Tensor  # [R, max_blocks] int32, unused entries 0
+    seq_lens: torch.Tensor  # [R] int32
+    context_lens: torch.Tensor  # [R] int32
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    host_query_start_loc: tuple[int, ...]
+    host_context_lens: tuple[int, ...]
+    _slots: dict = attrs.field(factory=dict, init=False, repr=False)
 
     @property
-    def kv_len(self) -> int:
-        return self.context_len + self.query_len
+    def num_tokens(self) -> int:
+        return self.host_query_start_loc[-1]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.host_context_lens)
+
+    def request(self, r: int) -> tuple[int, int, int]:
+        """``(query_start, query_len, context_len)`` of request ``r``, from the host copy."""
+        start, end = self.host_query_start_loc[r], self.host_query_start_loc[r + 1]
+        return start, end - start, self.host_context_lens[r]
+
+    def request_slots(self, r: int) -> torch.Tensor:
+        """Slots of positions ``0 .. seq_len - 1`` of request ``r`` (int64, on the device):
+        the gather index of eager backends, derived once per step from the block table."""
+        if r not in self._slots:
+            start, n, ctx = self.request(r)
+            blocks = -(-(ctx + n) // self.block_size)
+            table = self.block_tables[r, :blocks].long()
+            offsets = torch.arange(self.block_size, device=table.device)
+            self._slots[r] = (table[:, None] * self.block_size + offsets).flatten()[: ctx + n]
+        return self._slots[r]
+
+    @classmethod
+    def build(
+        cls,
+        block_size: int,
+        requests: Sequence[tuple[int, int, Sequence[int]]],
+        num_slots: int | None = None,
+    ) -> AttentionMetadata:
+        """Host metadata for ``requests``: ``(query_len, context_len, block ids)`` each, rows
+        in that order. The slot mapping is checked here, on the host (in ``[0, num_slots)``
+        when given, no slot twice), before anything reaches a device: see :meth:`to`."""
+        slots, starts, table = [], [0], []
+        width = max((len(b) for _, _, b in requests), default=0)
+        for query_len, ctx, blocks in requests:
+            slots += [
+                blocks[p // block_size] * block_size + p % block_size
+                for p in range(ctx, ctx + query_len)
+            ]
+            starts.append(starts[-1] + query_len)
+            table.append(list(blocks) + [0] * (width - len(blocks)))
+        check_slot_mapping(slots, num_slots)
+        ctx_lens = [ctx for _, ctx, _ in requests]
+        return cls(
+            block_size,
+            torch.tensor(slots, dtype=torch.int64),
+            torch.tensor(table, dtype=torch.int32).view(len(requests), width),
+            torch.tensor([q + c for q, c, _ in requests], dtype=torch.int32),
+            torch.tensor(ctx_lens, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+            tuple(starts),
+            tuple(ctx_lens),
+        )
+
+    def to(
+        self, device: torch.device | str, *extra: torch.Tensor, pin: bool = False
+    ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+        """This metadata and ``extra`` host tensors (a step's token ids...) on ``device``,
+        moved with one host-to-device copy: ``(metadata, [extra...])``."""
+        names = ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc")
+        mine = [getattr(self, n) for n in names]
+        if torch.device(device).type == "cpu":
+            return self, list(extra)
+        parts = [t.reshape(-1).long() for t in (*mine, *extra)]
+        host = torch.cat(parts)
+        if pin:
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=pin)
+        moved, at = [], 0
+        for t in (*mine, *extra):
+            moved.append(flat[at : at + t.numel()].view(t.shape).to(t.dtype))
+            at += t.numel()
+        slots, tables, seq_lens, ctx_lens, starts = moved[: len(names)]
+        meta = attrs.evolve(
+            self,
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=seq_lens,
+            context_lens=ctx_lens,
+            query_start_loc=starts,
+        )
+        return meta, moved[len(names) :]
 
 
-@attrs.frozen(eq=False)
-class AttentionMetadata:
-    """Everything attention needs for one step; identical for all T * L planes of that step."""
-
-    seqs: tuple[SequenceSlice, ...]
-    slot_mapping: torch.Tensor  # [N] int64: cache slot each new token's K/V is written to
-    num_tokens: int
+def check_slot_mapping(slots: Sequence[int], num_slots: int | None) -> None:
+    """Refuse, on the host, a step that would write outside the cache or one slot twice."""
+    if slots and num_slots is not None and not (min(slots) >= 0 and max(slots) < num_slots):
+        raise IndexError(
+            f"slot mapping has a slot outside [0, {num_slots}): min {min(slots)}, max {max(slots)}"
+        )
+    if len(set(slots)) != len(slots):
+        raise IndexError("slot mapping writes one slot twice in a step")

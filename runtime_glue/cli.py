@@ -8,6 +8,9 @@ import signal
 import sys
 import time
 
+from runtime_glue.server import DEFAULT_MAX_REQUEST_BYTES
+from runtime_glue.toy import PRESETS
+
 RANDOM_BANNER = (
     "NOTE: no --model given; using the embedded toy checkpoint with RANDOM weights. "
     "Its output is random text. Pass --model /path/to/Ouro-1.4B for a real model."
@@ -177,7 +180,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     llm = build_llm(args)
     name = args.served_model_name or (str(args.model) if args.model else "rlt-hal-toy-random")
-    server = Server(llm, name, api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    server = Server(
+        llm,
+        name,
+        api_key=args.api_key,
+        default_max_tokens=args.default_max_tokens,
+        max_request_bytes=args.max_request_bytes,
+    )
     print(
         f"serving {name!r} on http://{args.host}:{args.port}/v1 ({llm.driver.label})",
         file=sys.stderr,
@@ -251,7 +260,7 @@ def _add_plan(sub) -> None:
 def _add_toy_checkpoint(sub) -> None:
     p = sub.add_parser("toy-checkpoint", help="write a small random Ouro checkpoint")
     p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "ouro-1.4b-shape"])
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loops", type=int, default=4, help="total_ut_steps")
     p.add_argument("--shards", type=int, default=1)
@@ -284,6 +293,13 @@ def _add_serve(sub) -> None:
         type=int,
         default=16,
         help="max_tokens when a request gives none (OpenAI's default is 16)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="request bodies larger than this are answered with 413 before they are read "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES})",
     )
     p.add_argument(
         "--shutdown-timeout",

@@ -10,14 +10,16 @@ memory and never needs preempting.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import deque
 
 import attrs
 import torch
 
-from hal.interfaces import Device, Fence
-from hal.types import AttentionMetadata, SequenceSlice
+from hal.interfaces import Device
+from hal.types import AttentionMetadata
+from runtime_glue.detokenizer import IncrementalDetokenizer
 from runtime_glue.kv_manager import BlockAllocator
 from runtime_glue.model import OuroModel, StepInputs
 from runtime_glue.request import Request, RequestOutput, Status
@@ -52,25 +54,6 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
 
 
-class StepBuffers:
-    """Host buffers for one step's metadata, reused only after that step's fence completed."""
-
-    def __init__(self, size: int, pin: bool) -> None:
-        def buf():
-            return torch.empty(size, dtype=torch.int64, pin_memory=pin)
-
-        self.input_ids, self.positions, self.sample_rows = buf(), buf(), buf()
-        self.fence: Fence | None = None
-        self.fence_waits = 0
-
-    def acquire(self) -> StepBuffers:
-        if self.fence is not None and not self.fence.done():
-            self.fence_waits += 1
-            self.fence.wait()
-        self.fence = None
-        return self
-
-
 class Engine:
     def __init__(
         self,
@@ -81,7 +64,6 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         tokenizer=None,
         max_model_len: int | None = None,
-        num_buffers: int = 2,
     ) -> None:
         self.model = model
         self.device = device
@@ -93,8 +75,6 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        size = self.config.max_num_batched_tokens
-        self.buffers = [StepBuffers(size, device.pin_memory) for _ in range(num_buffers)]
         self.num_steps = 0
         self.stats = {"finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0}
 
@@ -158,8 +138,10 @@ class Engine:
             arrival_time=time.monotonic(),
         )
         if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
+            seed = params.seed if params.seed is not None else secrets.randbits(62)
             req.generator = torch.Generator().manual_seed(seed)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.requests[request_id] = req
         self.waiting.append(req)
 
@@ -187,7 +169,7 @@ class Engine:
             self.running.remove(req)
         if req.blocks:
             self.allocator.free_after(req.blocks, req.last_fence)
-            req.blocks, req.slots = [], None
+            req.blocks = []
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         self.requests.pop(req.request_id, None)
 
@@ -230,50 +212,38 @@ class Engine:
         return plan
 
     def _admit(self, req: Request, blocks: list[int]) -> None:
-        bs = self.allocator.block_size
-        table = torch.tensor(blocks, dtype=torch.int64)
-        slots = (table[:, None] * bs + torch.arange(bs)).flatten()
         req.blocks = blocks
-        req.slots = slots.to(self.device.torch_device)
         req.status = Status.RUNNING
         self.running.append(req)
 
-    def _build_step(self, plan: list[tuple[Request, int]]) -> tuple[StepBuffers, StepInputs, list]:
-        total = sum(n for _, n in plan)
-        buf = self.buffers[self.num_steps % len(self.buffers)].acquire()
-        ids, pos, rows = buf.input_ids, buf.positions, buf.sample_rows
-        seqs: list[SequenceSlice] = []
-        slot_parts: list[torch.Tensor] = []
+    def _build_step(self, plan: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
+        """The step's inputs, built on the host and moved to the device in one copy."""
+        requests: list[tuple[int, int, list[int]]] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
         sampled: list[Request] = []
-        tokens: list[int] = []
         start = prompt_rows = prompt_samples = 0
         for req, n in plan:
-            ctx, slots = req.num_computed, req.slots
-            assert slots is not None, "a running request always has its slots"
+            ctx = req.num_computed
+            requests.append((n, ctx, req.blocks))
+            ids += req.tokens(ctx, ctx + n)
+            positions += range(ctx, ctx + n)
             if req.in_prefill:
                 prompt_rows += n
-            tokens.extend(req.tokens(ctx, ctx + n))
-            torch.arange(ctx, ctx + n, out=pos[start : start + n])
-            seqs.append(SequenceSlice(start, n, ctx, slots[: ctx + n]))
-            slot_parts.append(slots[ctx : ctx + n])
             if ctx + n == req.num_tokens:
-                rows[len(sampled)] = start + n - 1
+                rows.append(start + n - 1)
                 prompt_samples += req.in_prefill
                 sampled.append(req)
             start += n
-        ids[:total] = torch.tensor(tokens, dtype=torch.int64)
-        dev = self.device.torch_device
-        nonblock = self.device.pin_memory
-        step = StepInputs(
-            ids[:total].to(dev, non_blocking=nonblock),
-            pos[:total].to(dev, non_blocking=nonblock),
-            AttentionMetadata(tuple(seqs), torch.cat(slot_parts), total),
-            rows[: len(sampled)].to(dev, non_blocking=nonblock),
-            prompt_rows,
-            prompt_samples,
-            max(req.num_computed + n for req, n in plan) - 1,
+        bs = self.allocator.block_size
+        meta = AttentionMetadata.build(bs, requests, self.pool_tokens)  # checked on the host
+        host = [torch.tensor(v, dtype=torch.int64) for v in (ids, positions, rows)]
+        meta, (ids_t, pos_t, rows_t) = meta.to(
+            self.device.torch_device, *host, pin=self.device.pin_memory
         )
-        return buf, step, sampled
+        inputs = StepInputs(ids_t, pos_t, meta, rows_t, prompt_rows, prompt_samples, max(positions))
+        return inputs, sampled
 
     # -- the step --------------------------------------------------------------------------
 
@@ -283,28 +253,27 @@ class Engine:
             if self.waiting and not self.running:
                 self.allocator.reclaim(wait=True)
             return []
-        buf, inputs, sampled = self._build_step(plan)
         try:
-            logits = self.model.forward(inputs).float().cpu()
+            inputs, sampled = self._build_step(plan)
+            logits = self.model.forward(inputs)  # [R, vocab] on the device
+            fence = self.device.record_fence()
+            tokens, host_logits = self._sample(logits, sampled)
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("step %d failed", self.num_steps)
-            fence = self.device.record_fence()
+            self.device.synchronize()  # nothing of the step may still be using its pages
             for req, _ in plan:
-                req.last_fence = fence
                 self._finish(req, "error", f"{type(exc).__name__}: {exc}")
                 self.stats["failed"] += 1
             return [self._output(req, ()) for req, _ in plan]
-        fence = self.device.record_fence()
-        buf.fence = fence
         self.num_steps += 1
         for req, n in plan:
             req.num_computed += n
             req.last_fence = fence
         outputs = []
-        for i, req in enumerate(sampled):
-            token = sample(logits[i], req.params, req.generator)
+        for i, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
             if req.return_logits:
-                req.logits.append(logits[i].clone())
+                assert host_logits is not None
+                req.logits.append(host_logits[i].clone())
             req.output_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
@@ -313,18 +282,28 @@ class Engine:
             outputs.append(self._output(req, (token,)))
         return outputs
 
+    def _sample(
+        self, logits: torch.Tensor, sampled: list[Request]
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """The step's tokens, with the step's one device-to-host transfer: the greedy picks
+        (argmax on the device) when that is all the step needs, else the logits (float32),
+        sampled on the host with each request's own generator."""
+        if not any(r.return_logits or not r.params.greedy for r in sampled):
+            return self.device.to_host(logits.argmax(-1)).tolist(), None
+        host = self.device.to_host(logits.float())
+        return [sample(host[i], r.params, r.generator) for i, r in enumerate(sampled)], host
+
     def _check_stop(self, req: Request, token: int) -> None:
-        params = req.params
-        if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        if token in self.eos_token_ids and not params.ignore_eos:
-            self._finish(req, "stop")
-        elif params.stop and any(s in req.text for s in params.stop):
-            cut = min(req.text.find(s) for s in params.stop if s in req.text)
-            req.text = req.text[:cut]
+        params, detok = req.params, req.detokenizer
+        cut = detok.add(token) if detok is not None else None
+        if token in self.eos_token_ids and not params.ignore_eos or cut is not None:
             self._finish(req, "stop")
         elif len(req.output_ids) >= params.max_tokens:
             self._finish(req, "length")
+        if detok is not None:
+            if req.finished:
+                detok.finish()
+            req.text = detok.text if cut is None else detok.text[:cut]
         if req.finished and req.finish_reason != "abort":
             self.stats["finished"] += 1
 

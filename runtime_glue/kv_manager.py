@@ -38,9 +38,6 @@ class BlockAllocator:
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int] | None:
         """``n`` pages, or None when not enough are free now ("not now")."""
         if n < 0:
@@ -77,7 +74,3 @@ class BlockAllocator:
                 still.append((fence, blocks))
         self._pending = still
         return moved
-
-
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    return block_table[position // block_size] * block_size + position % block_size

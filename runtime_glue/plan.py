@@ -57,7 +57,7 @@ from hal.kernels import (
     adversarial_weight,
     check_rows,
 )
-from hal.types import AttentionMetadata, KVLayout, SequenceSlice
+from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.config import OuroConfig
 
 logger = logging.getLogger(__name__)
@@ -403,26 +403,21 @@ def check_attention(backend: AttentionBackend, cfg: OuroConfig, device) -> str |
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     gen = torch.Generator().manual_seed(d)
     kv = TensorKVStore(KVLayout(1, 8, 16, kv_heads, d), device)
-    slots = torch.randperm(kv.layout.num_slots, generator=gen).to(device)
     k = (torch.randn(kv.layout.num_slots, kv_heads, d, generator=gen) * 2).bfloat16()
     v = torch.randn(k.shape, generator=gen).bfloat16()
-    kv.write(0, k.to(device), v.to(device), slots)
+    kv.write(0, k.to(device), v.to(device), torch.arange(kv.layout.num_slots, device=device))
     q = (torch.randn(1, heads, 20, d, generator=gen) * 2).bfloat16().to(device)
-    ctx, other = 17, slots[60:102]  # rows at positions 17..36 cross pages 1 and 2
+    pages, other = [3, 6, 1], [7, 0, 5]  # 17 tokens in cache, rows at positions 17..36
 
-    def run(seqs):  # (first query row, rows, context_len, slots) per request
-        parts, queries, start = [], [], 0
-        for first, n, c, sl in seqs:
-            parts.append(SequenceSlice(start, n, c, sl))
-            queries.append(q[:, :, first : first + n])
-            start += n
-        new = torch.cat([p.kv_slots[p.context_len :] for p in parts])
-        meta = AttentionMetadata(tuple(parts), new, start)
-        return backend.forward(torch.cat(queries, 2), 0, kv, meta, d**-0.5, deterministic=True)
+    def run(requests):  # (first query row, rows, context_len, block ids) per request
+        meta = AttentionMetadata.build(16, [(n, c, b) for _, n, c, b in requests])
+        queries = torch.cat([q[:, :, first : first + n] for first, n, _, _ in requests], 2)
+        meta = meta.to(device)[0]
+        return backend.forward(queries, 0, kv, meta, d**-0.5, deterministic=True)
 
-    chunk = run([(0, 20, ctx, slots[: ctx + 20])])
+    chunk = run([(0, 20, 17, pages)])
     for i in (0, 7, 19):
-        mine = (i, 1, ctx + i, slots[: ctx + i + 1])
+        mine = (i, 1, 17 + i, pages)
         if not torch.equal(run([mine]), chunk[i : i + 1]):
             return f"{backend.name}: a row computed alone differs from the same row in a chunk"
         if not torch.equal(run([(3, 2, 40, other), mine])[2:], chunk[i : i + 1]):

@@ -10,7 +10,9 @@ of the last position only).
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import load_file
@@ -23,6 +25,29 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from runtime_glue.config import OuroConfig
+
+
+def _cache_keyword() -> str:
+    """The keyword ``LlamaAttention.forward`` takes its KV cache by: ``cache`` from transformers
+    5.24, ``past_key_values`` from 5.0. Passing the wrong one is silently swallowed by its
+    ``**kwargs`` and the reference runs without its KV history, so refuse instead."""
+    params = inspect.signature(LlamaAttention.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise RuntimeError(
+        "this transformers' LlamaAttention.forward takes no cache argument "
+        f"({', '.join(params)}); the reference needs transformers >= 5.0"
+    )
+
+
+CACHE_KEYWORD = _cache_keyword()
+NORMS = (
+    "input_layernorm",
+    "input_layernorm_2",
+    "post_attention_layernorm",
+    "post_attention_layernorm_2",
+)
 
 
 class OuroReference(torch.nn.Module):
@@ -50,18 +75,7 @@ class OuroReference(torch.nn.Module):
         self.attn = torch.nn.ModuleList(LlamaAttention(hf, i) for i in range(L))
         self.mlp = torch.nn.ModuleList(LlamaMLP(hf) for _ in range(L))
         self.norms = torch.nn.ModuleList(
-            torch.nn.ModuleDict(
-                {
-                    n: LlamaRMSNorm(H, eps)
-                    for n in (
-                        "input_layernorm",
-                        "input_layernorm_2",
-                        "post_attention_layernorm",
-                        "post_attention_layernorm_2",
-                    )
-                }
-            )
-            for _ in range(L)
+            torch.nn.ModuleDict({n: LlamaRMSNorm(H, eps) for n in NORMS}) for _ in range(L)
         )
         self.norm = LlamaRMSNorm(H, eps)
         self.lm_head = torch.nn.Linear(H, cfg.vocab_size, bias=False)
@@ -84,7 +98,7 @@ class OuroReference(torch.nn.Module):
                 mine[f"attn.{i}.{proj}.weight"] = state[p + f"self_attn.{proj}.weight"]
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 mine[f"mlp.{i}.{proj}.weight"] = state[p + f"mlp.{proj}.weight"]
-            for n in self.norms[i]:
+            for n in NORMS:
                 mine[f"norms.{i}.{n}.weight"] = state[p + f"{n}.weight"]
         self.load_state_dict(mine, strict=True)
         return self
@@ -105,13 +119,14 @@ class OuroReference(torch.nn.Module):
         )[None, None]
         for t in range(cfg.total_ut_steps):
             for i in range(cfg.num_hidden_layers):
-                n = self.norms[i]
-                self.attn[i].layer_idx = t * cfg.num_hidden_layers + i
-                a, _ = self.attn[i](
+                n = cast(torch.nn.ModuleDict, self.norms[i])
+                attn = cast(LlamaAttention, self.attn[i])
+                attn.layer_idx = t * cfg.num_hidden_layers + i
+                a, _ = attn(
                     n["input_layernorm"](h),
                     position_embeddings=cos_sin,
                     attention_mask=mask,
-                    cache=cache,
+                    **{CACHE_KEYWORD: cache},
                 )
                 h = h + n["input_layernorm_2"](a)
                 m = self.mlp[i](n["post_attention_layernorm"](h))

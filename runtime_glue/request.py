@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from hal.interfaces import Fence
+from runtime_glue.detokenizer import IncrementalDetokenizer
 from runtime_glue.sampling import SamplingParams
 
 
@@ -25,14 +26,14 @@ class Request:
     return_logits: bool = False
     status: Status = Status.WAITING
     output_ids: list[int] = attrs.field(factory=list)
-    blocks: list[int] = attrs.field(factory=list)
-    slots: torch.Tensor | None = None  # device int64, a slot per reserved position
+    blocks: list[int] = attrs.field(factory=list)  # block table: position p in blocks[p // bs]
     num_computed: int = 0  # tokens whose K/V is already in every plane
     finish_reason: str | None = None
     error: str | None = None
     text: str = ""
     logits: list[torch.Tensor] = attrs.field(factory=list)
     generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
     last_fence: Fence | None = None  # of the last step that read this request's pages
     arrival_time: float = 0.0
     first_token_time: float | None = None

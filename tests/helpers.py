@@ -33,6 +33,14 @@ def rlt_hal(*args: str, env=None) -> subprocess.CompletedProcess:
     )
 
 
+def request_slots(llm: LLM, req, n: int | None = None) -> torch.Tensor:
+    """The cache slots of a running request's first ``n`` positions (all it holds if None)."""
+    from hal.types import AttentionMetadata
+
+    n = req.num_computed if n is None else n
+    return AttentionMetadata.build(llm.kv_layout.block_size, [(n, 0, req.blocks)]).slot_mapping
+
+
 def prompt_of(length: int, seed: int = 0, vocab: int = 1024) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (length,), generator=gen).tolist()

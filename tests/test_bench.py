@@ -34,10 +34,8 @@ def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
     assert set(report["floors"]["gemm_flops"]) == {"1", "8", "20"}
     assert report["kv_pool"]["tokens"] >= 24 and _positive(report["kv_pool"]["bytes_per_token"])
     overhead = report["python_overhead"]
-    assert overhead["decode_step_wall_s"] > 0 and _positive(overhead["kernel_self_time_s"])
-    assert overhead["overhead_s"] == max(
-        overhead["decode_step_wall_s"] - overhead["kernel_self_time_s"], 0.0
-    )
+    assert _positive(overhead["kernel_self_time_s"])
+    assert 0 <= overhead["overhead_s"] < overhead["decode_step_wall_s"]
     assert _positive(report["peak_memory"]["peak_rss_bytes"])
     assert report["machine"]["torch"] and report["device"] == "cpu"
     # The cpu default plan; the GEMM rate (the prefill floor) uses its prompt rows' kernel.
@@ -47,15 +45,11 @@ def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
     for r in report["results"]:
         for key in ("ttft_s", "tpot_s", "output_tok_s"):
             assert r[key]["min"] <= r[key]["p50"] <= r[key]["max"] and _positive(r[key]["p50"])
-        for key in (
-            "decode_floor_s",
-            "tpot_over_decode_floor",
-            "prefill_floor_s",
-            "ttft_over_prefill_floor",
-            "prefill_fraction_of_gemm_rate",
-        ):
+        for key in ("decode_floor_s", "prefill_floor_s", "prefill_fraction_of_gemm_rate"):
             assert _positive(r[key]), key
-    assert "| 8 |" in table and "TPOT/floor" in table
+        # The printed table shows the JSON's own figures.
+        row = f"| {r['input_len']} | {r['ttft_s']['p50']:.3f} | {r['tpot_s']['p50']:.3f} |"
+        assert row in table and f"{r['tpot_over_decode_floor']:.2f} |" in table
 
 
 def test_bench_baseline_compares_with_the_hf_module_reference(tmp_path):
@@ -64,9 +58,11 @@ def test_bench_baseline_compares_with_the_hf_module_reference(tmp_path):
         "baseline --preset tiny --input-len 8 --output-len 3 --runs 1 --concurrency 3 --block-size 16",
     )
     assert set(report["levels"]) == {"c1", "c3"}
-    for level in report["levels"].values():
+    for name, level in report["levels"].items():
         assert _positive(level["rlt_hal_tok_s"]) and _positive(level["baseline_tok_s"])
-        assert abs(level["ratio"] - level["rlt_hal_tok_s"] / level["baseline_tok_s"]) < 1e-9
+        assert (
+            f"| {name} | {level['rlt_hal_tok_s']:.2f} | {level['baseline_tok_s']:.2f} | " in table
+        )
     assert "HF-module reference" in report["baseline"]
     assert report["mode"] == "deterministic" and report["plan"].startswith("deterministic mode")
     assert "| c3 |" in table
@@ -98,10 +94,9 @@ def test_bench_determinism_reports_the_cost_of_the_mode(tmp_path):
         "determinism --preset tiny --input-len 8 --output-len 3 --runs 1 --concurrency 2 --block-size 16",
     )
     assert set(report["levels"]) == {"c1", "c2"}
-    for r in report["levels"].values():
+    for name, r in report["levels"].items():
         assert _positive(r["off_tok_s"]) and _positive(r["on_tok_s"])
-        assert abs(r["cost"] - (1 - r["on_tok_s"] / r["off_tok_s"])) < 1e-9
-    assert "| c2 |" in table
+        assert f"| {name} | {r['off_tok_s']:.2f} | {r['on_tok_s']:.2f} | " in table
 
 
 def test_bench_plans_compares_the_default_with_every_single_kernel_plan(tmp_path):
@@ -119,3 +114,29 @@ def test_bench_plans_compares_the_default_with_every_single_kernel_plan(tmp_path
         assert f"| {name} | {r['mode']} | {r['ttft_s']:.3f} |" in table
     for key in ("ttft_over_best", "tpot_over_best", "c2_best_over_this"):
         assert min(r[key] for r in plans.values()) == 1.0  # one plan is the best at each
+
+
+def test_bench_detokenize_times_both_ways_at_each_length(tmp_path):
+    report, table = _bench(tmp_path, "detokenize --preset tiny --lengths 50,200 --runs 2")
+    assert [r["tokens"] for r in report["results"]] == [50, 200]
+    for r in report["results"]:
+        assert _positive(r["incremental_s_per_token"]) and _positive(r["full_decode_s_per_token"])
+        assert f"| {r['tokens']} | {r['incremental_s_per_token'] * 1e6:.2f} |" in table
+
+
+def test_the_floors_count_every_weight_a_step_reads_and_every_flop_of_a_prefill(tiny_ckpt):
+    # Counted from the checkpoint's own safetensors headers, not from the formulas.
+    from runtime_glue.bench import floors
+    from runtime_glue.checkpoint import index_checkpoint
+    from runtime_glue.config import OuroConfig
+
+    cfg = OuroConfig.from_dir(tiny_ckpt)
+    entries = index_checkpoint(tiny_ckpt)
+    layers = [e for name, e in entries.items() if name.startswith("model.layers.")]
+    layer_bytes = sum(e.nbytes for e in layers)
+    lm_head = entries["lm_head.weight"].nbytes
+    context = 37
+    kv = 2 * cfg.num_planes * context * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert floors.decode_bytes(cfg, context) == cfg.total_ut_steps * layer_bytes + lm_head + kv
+    per_token = 2 * cfg.total_ut_steps * layer_bytes // 2  # two FLOPs per bf16 weight
+    assert floors.prefill_flops(cfg, 11) == 11 * per_token + 2 * lm_head // 2

@@ -20,7 +20,7 @@ from hal.kernels import (
     hf_silu_mul,
 )
 from hal.testing.reference import ATTENTION_BOUND, attention_f64
-from hal.types import AttentionMetadata, KVLayout, SequenceSlice
+from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.llm import LLM
 from runtime_glue.model import OuroModel, StepInputs
 from runtime_glue.sampling import SamplingParams
@@ -108,48 +108,44 @@ def test_the_two_projection_kernels_sum_in_different_orders_and_the_check_sees_i
     assert (kernels.linear_avx2(xr, wr) != kernels.linear_avx512bf16(xr, wr)).float().mean() < 0.01
 
 
+PAGES = [3, 1]  # a 17-position request: page 3, then page 1
+
+
 def _attention_case(heads, kv_heads, d, seed=0):
-    """A one-plane cache with random K/V, and scattered slots for a 17-position request."""
+    """A one-plane cache of four 16-slot pages with random K/V, and 17 query rows."""
     gen = torch.Generator().manual_seed(seed)
-    layout = KVLayout(1, 4, 16, kv_heads, d)
-    kv = TensorKVStore(layout, torch.device("cpu"))
+    kv = TensorKVStore(KVLayout(1, 4, 16, kv_heads, d), torch.device("cpu"))
     k, v = (
         torch.randn(2, 64, kv_heads, d, generator=gen)
         * torch.tensor([2.0, 1.0])[:, None, None, None]
     ).bfloat16()
     kv.write(0, k, v, torch.arange(64))
-    slots = torch.randperm(64, generator=gen)[:17]
     q = (torch.randn(1, heads, 17, d, generator=gen) * 2).bfloat16()
-    return kv, slots, q
+    return kv, q
 
 
-def _run_attention(kv, q, seqs):
-    """seqs: (query_start, query_len, context_len, slots)."""
-    slices = tuple(SequenceSlice(*s) for s in seqs)
-    new = torch.cat([sl.kv_slots[sl.context_len :] for sl in slices])
-    rows = RowContexts.of(AttentionMetadata(slices, new, q.shape[2]))
+def _run_attention(kv, q, requests):
+    """requests: (query_len, context_len, pages), their rows in q's order."""
+    rows = RowContexts.of(AttentionMetadata.build(16, requests))
     k, v = kv.key_cache[0], kv.value_cache[0]
     return kernels.paged_attention(q, k, v, rows.slots, rows.off, rows.len, q.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("heads, kv_heads, d", [(4, 4, 32), (6, 2, 36), (4, 1, 128)])
 def test_deterministic_attention_is_close_to_float64_and_row_invariant(heads, kv_heads, d):
-    kv, slots, q = _attention_case(heads, kv_heads, d)
+    kv, q = _attention_case(heads, kv_heads, d)
     context = 5  # 12 query rows at positions 5..16
-    full = _run_attention(kv, q[:, :, :12], [(0, 12, context, slots)])
-    k, v = kv.gather(0, slots)
+    full = _run_attention(kv, q[:, :, :12], [(12, context, PAGES)])
+    k, v = kv.gather(0, AttentionMetadata.build(16, [(12, context, PAGES)]).request_slots(0))
     ref = attention_f64(q[:, :, :12], k, v, d**-0.5, context)
     assert ((full.double() - ref).abs().max()) <= ATTENTION_BOUND * float(v.abs().max())
     for i in range(12):  # each row alone, as a decode step computes it
-        alone = _run_attention(
-            kv, q[:, :, i : i + 1], [(0, 1, context + i, slots[: context + i + 1])]
-        )
+        alone = _run_attention(kv, q[:, :, i : i + 1], [(1, context + i, PAGES)])
         assert torch.equal(alone, full[i : i + 1]), i
     # Two requests in one call give the bits of each alone (q rows 0..2 and 3..11).
-    other = torch.randperm(64, generator=torch.Generator().manual_seed(9))[:20]
-    both = _run_attention(kv, q[:, :, :12], [(0, 3, context, slots[:8]), (3, 9, 11, other)])
+    both = _run_attention(kv, q[:, :, :12], [(3, context, PAGES), (9, 11, [0, 2])])
     assert torch.equal(both[:3], full[:3])
-    assert torch.equal(both[3:], _run_attention(kv, q[:, :, 3:12], [(0, 9, 11, other)]))
+    assert torch.equal(both[3:], _run_attention(kv, q[:, :, 3:12], [(9, 11, [0, 2])]))
 
 
 @pytest.mark.parametrize("n, eps, scale", [(64, 1e-6, 3.0), (203, 1e-6, 1.0), (2048, 1e-2, 1e-3)])
@@ -257,16 +253,8 @@ def test_stacked_projections_give_the_bits_of_separate_calls(wide):
     )
     n = 40
     ids, pos = torch.tensor(prompt_of(n, seed=3)), torch.arange(n)
-    slots = torch.arange(n)
-    step = StepInputs(
-        ids,
-        pos,
-        AttentionMetadata((SequenceSlice(0, n, 0, slots),), slots, n),
-        torch.arange(n),
-        n,
-        n,
-        n - 1,
-    )
+    meta = AttentionMetadata.build(16, [(n, 0, [0, 1, 2])])
+    step = StepInputs(ids, pos, meta, torch.arange(n), n, n, n - 1)
     assert torch.equal(llm.model.forward(step), apart.forward(step))
 
 

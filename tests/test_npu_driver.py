@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from drivers.npu.driver import NpuDevice, create
 from drivers.npu.emulation import EmulatedTorchNpu
@@ -174,18 +175,20 @@ def test_scatter_indices_are_built_and_validated_once_per_step():
 
 
 @pytest.mark.parametrize(
-    "slots, message",
+    "requests, message",
     [
-        ([3, 64], r"slot mapping has a slot outside \[0, 64\): min 3, max 64"),
-        ([5, 5], "slot mapping writes one slot twice in a step"),
+        ([(3, 0, [1]), (2, 0, [4])], r"slot mapping has a slot outside \[0, 64\): min 16, max 65"),
+        ([(3, 0, [1]), (2, 0, [1])], "slot mapping writes one slot twice in a step"),
     ],
 )
-def test_bad_slot_mappings_are_refused_before_the_op_runs(slots, message):
+def test_bad_slot_mappings_are_refused_on_the_host_before_anything_is_written(requests, message):
+    # The write path never reads the device to validate (that would wait for it every step):
+    # a step's slots are checked on the host when its metadata is built.
+    from hal.types import AttentionMetadata
+
     kv, driver = _store()
     with pytest.raises(IndexError, match=message):
-        kv.write(
-            0, torch.ones(2, 2, 8).bfloat16(), torch.ones(2, 2, 8).bfloat16(), torch.tensor(slots)
-        )
+        AttentionMetadata.build(16, requests, kv.layout.num_slots)
     assert driver.device.ops.scatter_calls == 0 and not kv.key_cache.any()
 
 
@@ -210,12 +213,41 @@ def test_late_events_hold_freed_pages_until_the_device_has_finished(tiny_ckpt):
     assert llm.engine.num_free_blocks == 8
 
 
-def test_late_events_make_metadata_buffers_wait_before_reuse(tiny_ckpt):
-    llm = _late_llm(tiny_ckpt)
-    out = llm.generate([prompt_of(4)], SamplingParams(max_tokens=5, **GREEDY))
-    assert len(out[0].token_ids) == 5
-    waits = sum(b.fence_waits for b in llm.engine.buffers)
-    assert waits == 3, "5 steps over 2 buffers: steps 3, 4 and 5 must wait for steps 1, 2, 3"
+class HostReads(TorchFunctionMode):
+    """Records every call that turns a tensor into Python values (each a wait for the device
+    when the tensor lives there), and on which tensor."""
+
+    READS = ("tolist", "item", "__int__", "__bool__", "__float__", "__index__", "numpy")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS or (name in ("cpu", "to") and "cpu" in map(str, (*args, kwargs))):
+            self.reads.append((name, id(args[0])))
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_step_reads_the_device_once_where_it_needs_the_sampled_tokens(tiny_ckpt):
+    llm = LLM(tiny_ckpt, device="npu", block_size=16, num_blocks=16, prefill_chunk_size=8)
+    eng, ops = llm.engine, llm.driver.device.ops
+    copies = []
+    to_host = ops.to_host
+    ops.to_host = lambda t: copies.append(to_host(t)) or copies[-1]
+    for i, n in enumerate((5, 19, 3)):  # prefill chunks, decodes, and both in one step
+        eng.add_request(f"r{i}", prompt_of(n, seed=i), SamplingParams(max_tokens=6, **GREEDY))
+    steps = 0
+    with HostReads() as mode:
+        while eng.has_unfinished():
+            before = ops.host_copies
+            eng.step()
+            steps += 1
+            assert ops.host_copies == before + 1, f"step {steps}"
+    assert steps >= 8 and len(copies) == steps
+    # Every read of a tensor in those steps was of the one host copy the step made.
+    assert {i for _, i in mode.reads} <= {id(c) for c in copies}, mode.reads
 
 
 def test_everything_the_emulated_driver_reports_says_emulated(tiny_ckpt):

@@ -26,10 +26,11 @@ class PerturbedBackend(EagerBackend):
     def forward(self, query, plane, kv, meta, scaling, deterministic=False):
         out = super().forward(query, plane, kv, meta, scaling, deterministic)
         if plane == self.plane:
-            for seq in meta.seqs:
-                row = self.position - seq.context_len
-                if 0 <= row < seq.query_len:
-                    out[seq.query_start + row] += 0.5
+            for r in range(meta.num_requests):
+                start, query_len, context_len = meta.request(r)
+                row = self.position - context_len
+                if 0 <= row < query_len:
+                    out[start + row] += 0.5
         return out
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from hal.types import AttentionMetadata, SequenceSlice
+from hal.types import AttentionMetadata
 from runtime_glue.llm import LLM
 from runtime_glue.model import StepInputs
 from runtime_glue.sampling import SamplingParams
-from tests.helpers import GREEDY, prompt_of
+from tests.helpers import GREEDY, prompt_of, request_slots
 
 
 def _prefill_one(llm: LLM, prompt: list[int]):
@@ -27,7 +27,7 @@ def test_poisoning_every_slot_a_request_does_not_own_leaves_its_decode_unchanged
 
     llm = LLM(tiny_ckpt, device=driver_name, block_size=16, num_blocks=8)
     req = _prefill_one(llm, prompt)
-    kv, written = llm.kv_store, req.slots[: req.num_computed]
+    kv, written = llm.kv_store, request_slots(llm, req)
     keep = torch.zeros(kv.layout.num_slots, dtype=torch.bool)
     keep[written] = True
     for cache in (kv.key_cache, kv.value_cache):
@@ -48,7 +48,7 @@ def test_attention_on_one_plane_reads_that_plane_and_no_other(tiny_ckpt, driver_
         k = torch.randn(n, cfg.num_key_value_heads, cfg.head_dim, generator=gen)
         kv.write(p, k.bfloat16(), (k * 0.5).bfloat16(), slots)
     q = torch.randn(1, cfg.num_attention_heads, 3, cfg.head_dim, generator=gen).bfloat16()
-    meta = AttentionMetadata((SequenceSlice(0, 3, n - 3, slots),), slots[-3:], 3)
+    meta = AttentionMetadata.build(16, [(3, n - 3, [0, 1])])  # positions 0..18 = slots 0..18
     backend = llm.model.backend
     outs = [backend.forward(q, p, kv, meta, cfg.head_dim**-0.5) for p in range(planes)]
     assert all(not torch.equal(outs[0], o) for o in outs[1:]), "two planes alias each other"
@@ -66,8 +66,7 @@ def test_changing_a_later_token_never_changes_earlier_logits(tiny_ckpt, driver_n
     model, n, j = llm.model, 24, 15
 
     def all_logits(ids: list[int]) -> torch.Tensor:
-        slots = torch.arange(n)
-        meta = AttentionMetadata((SequenceSlice(0, n, 0, slots),), slots, n)
+        meta = AttentionMetadata.build(16, [(n, 0, [0, 1])])
         rows = torch.arange(n)
         return model.forward(StepInputs(torch.tensor(ids), rows, meta, rows, n, n, n - 1))
 
@@ -79,13 +78,28 @@ def test_changing_a_later_token_never_changes_earlier_logits(tiny_ckpt, driver_n
     assert not torch.equal(la[j:], lb[j:])
 
 
-def test_each_loop_writes_its_own_plane(tiny_ckpt):
-    llm = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=4)
-    req = _prefill_one(llm, prompt_of(10, seed=1))
-    rows = llm.kv_store.key_cache[:, req.slots[:10]]  # [planes, 10, kv_heads, d]
-    L = llm.config.num_hidden_layers
-    for t in range(1, llm.config.total_ut_steps):
+def test_plane_t_times_l_plus_l_holds_loop_t_layer_ls_keys_and_values(tiny_ckpt):
+    # The cache must hold, in plane t * L + l, the K (after RoPE) and V that loop t, layer l
+    # computed for each position, and nothing from any other (loop, layer).
+    from runtime_glue.model import rotate_half
+
+    llm = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=4, deterministic=False)
+    cfg, model, n = llm.config, llm.model, 10
+    seen: dict[tuple[int, int, str], torch.Tensor] = {}
+    model.recorder = lambda t, li, op, value: seen.setdefault((t, li, op), value.clone())
+    req = _prefill_one(llm, prompt_of(n, seed=1))
+    model.recorder = None
+    slots = request_slots(llm, req)
+    cos, sin = (c[0][:, None, :] for c in model.rope(torch.arange(n), n - 1))  # [n, 1, d]
+    L, T = cfg.num_hidden_layers, cfg.total_ut_steps
+    shape = (n, cfg.num_key_value_heads, cfg.head_dim)
+    want = {}
+    for t in range(T):
         for li in range(L):
-            assert not torch.equal(rows[li], rows[t * L + li]), (
-                f"loop {t} layer {li} aliases loop 0"
-            )
+            k = seen[(t, li, "k_proj")].view(shape)
+            want[t * L + li] = (k * cos + rotate_half(k) * sin, seen[(t, li, "v_proj")].view(shape))
+    for plane, (k, v) in want.items():
+        got_k, got_v = llm.kv_store.key_cache[plane, slots], llm.kv_store.value_cache[plane, slots]
+        assert torch.equal(got_k, k) and torch.equal(got_v, v), f"plane {plane}"
+        others = [p for p in want if p != plane]
+        assert not any(torch.equal(got_k, want[p][0]) for p in others), f"plane {plane} aliases"

@@ -218,6 +218,54 @@ def test_metrics_count_requests_tokens_and_latencies(server, client):
     )
 
 
+def test_metrics_are_in_the_prometheus_text_format_with_process_metrics(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model="toy", prompt="scrape", max_tokens=2)
+    r = httpx.get(server.base + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    kinds = {
+        "rlt_hal_requests": "counter",
+        "rlt_hal_generated_tokens": "counter",
+        "rlt_hal_prompt_tokens": "counter",
+        "rlt_hal_running_requests": "gauge",
+        "rlt_hal_kv_free_blocks": "gauge",
+        "rlt_hal_kv_total_blocks": "gauge",
+        "rlt_hal_time_to_first_token_seconds": "histogram",
+        "rlt_hal_time_per_output_token_seconds": "histogram",
+        "process_resident_memory_bytes": "gauge",
+        "python_info": "gauge",
+    }
+    for name, kind in kinds.items():
+        assert families[name].type == kind, name
+    states = {s.labels["status"] for s in families["rlt_hal_requests"].samples}
+    assert {"stop", "length", "abort", "error"} <= states
+    total = next(s for s in families["rlt_hal_kv_total_blocks"].samples)
+    assert total.value == 64
+
+
+BIG = 9 * 1024 * 1024  # over the 8 MiB default
+
+
+def test_a_body_over_the_size_limit_gets_an_openai_413_and_the_server_keeps_serving(server):
+    def post(content):
+        url, json_type = server.base + "/v1/completions", {"content-type": "application/json"}
+        return httpx.post(url, content=content, headers=json_type, timeout=30)
+
+    def chunked(data: bytes, size: int = 1 << 20):  # no Content-Length: the server counts
+        for i in range(0, len(data), size):
+            yield data[i : i + size]
+
+    big = json.dumps({**GOOD, "prompt": "x" * BIG}).encode()
+    for r in (post(big), post(chunked(big))):
+        assert r.status_code == 413
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and "exceeds 8388608 bytes" in err["message"]
+    assert post(chunked(json.dumps(GOOD).encode(), size=10)).status_code == 200
+    assert _post(server, "/v1/completions", GOOD).status_code == 200
+
+
 def test_an_api_key_is_required_when_configured(tiny_ckpt):
     proc = ServerProcess(tiny_ckpt, "--api-key", "s3cret")
     try:

@@ -64,13 +64,15 @@ class RowContexts:
     @classmethod
     def of(cls, meta: AttentionMetadata) -> RowContexts:
         off, lens = [0] * meta.num_tokens, [0] * meta.num_tokens
-        base = 0
-        for s in meta.seqs:
-            for i in range(s.query_len):
-                off[s.query_start + i], lens[s.query_start + i] = base, s.context_len + i + 1
-            base += s.kv_len
-        slots = torch.cat([s.kv_slots for s in meta.seqs]) if meta.seqs else torch.zeros(0)
-        return cls(slots.long().contiguous(), torch.tensor(off), torch.tensor(lens))
+        base, parts = 0, []
+        for r in range(meta.num_requests):
+            start, q_len, ctx = meta.request(r)
+            for i in range(q_len):
+                off[start + i], lens[start + i] = base, ctx + i + 1
+            base += ctx + q_len
+            parts.append(meta.request_slots(r))
+        slots = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        return cls(slots.contiguous(), torch.tensor(off), torch.tensor(lens))
 
 
 class CpuEagerBackend(EagerBackend):

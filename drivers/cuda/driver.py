@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from hal.eager import EagerBackend, TensorKVStore, causal_mask, paged_attention, repeat_kv
-from hal.interfaces import AttentionBackend, Device, Driver, Fence
+from hal.interfaces import AttentionBackend, Device, Driver, EventFence, Fence
 from hal.types import KVLayout
-
-
-class CudaFence(Fence):
-    def __init__(self) -> None:
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def done(self) -> bool:
-        return bool(self.event.query())
-
-    def wait(self) -> None:
-        self.event.synchronize()
 
 
 class CudaDevice(Device):
@@ -33,7 +23,7 @@ class CudaDevice(Device):
         if self.index >= count:
             raise RuntimeError(
                 f"cuda:{self.index} requested but {count} CUDA device(s) are visible "
-                f"(CUDA_VISIBLE_DEVICES={__import__('os').environ.get('CUDA_VISIBLE_DEVICES')!r})"
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
             )
         torch.cuda.set_device(self.index)
         self._initialized = True
@@ -42,17 +32,13 @@ class CudaDevice(Device):
         torch.cuda.synchronize(self.index)
 
     def record_fence(self) -> Fence:
-        return CudaFence()
+        return EventFence(torch.cuda.Event())
 
     def memory_stats(self) -> dict[str, int]:
         return {
             "allocated_bytes": torch.cuda.memory_allocated(self.index),
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(self.index),
         }
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-        torch.cuda.manual_seed_all(seed)
 
     @property
     def pin_memory(self) -> bool:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import types
+from typing import Any
 
 import torch
 
 from drivers.npu.emulation import emulation_requested
 from hal.eager import EagerBackend, TensorKVStore
-from hal.interfaces import Device, Driver, Fence
+from hal.interfaces import Device, Driver, EventFence, Fence
 from hal.types import KVLayout
 
 CANN_HINT = "source /usr/local/Ascend/ascend-toolkit/set_env.sh (or your CANN install's set_env.sh)"
@@ -44,20 +45,9 @@ def import_torch_npu() -> types.SimpleNamespace:
         current_stream=npu.current_stream,
         Event=npu.Event,
         synchronize=npu.synchronize,
+        to_host=lambda tensor: tensor.to("cpu"),
         npu_scatter_nd_update_=torch_npu.npu_scatter_nd_update_,
     )
-
-
-class NpuFence(Fence):
-    def __init__(self, ops, stream) -> None:
-        self.event = ops.Event()
-        self.event.record(stream)
-
-    def done(self) -> bool:
-        return bool(self.event.query())
-
-    def wait(self) -> None:
-        self.event.synchronize()
 
 
 class NpuDevice(Device):
@@ -68,8 +58,8 @@ class NpuDevice(Device):
         super().__init__(index)
         self.emulated = emulate
         self.event_delay = event_delay
-        self.ops = None
-        self.stream = None
+        self.ops: Any = None  # torch_npu's operations, or their emulation
+        self.stream: Any = None
         self._init_pid: int | None = None
 
     def initialize(self) -> None:
@@ -123,7 +113,10 @@ class NpuDevice(Device):
         self.ops.synchronize()
 
     def record_fence(self) -> Fence:
-        return NpuFence(self.ops, self.stream)
+        return EventFence(self.ops.Event(), self.stream)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.ops.to_host(tensor)
 
     def memory_stats(self) -> dict[str, int]:
         if self.emulated:
@@ -146,7 +139,12 @@ class AscendEagerBackend(EagerBackend):
 
 
 class ScatterNDKVStore(TensorKVStore):
-    """K/V rows written with ``npu_scatter_nd_update_``; indices built once per step."""
+    """K/V rows written with ``npu_scatter_nd_update_``; indices built once per step.
+
+    The op's behaviour is undefined for out-of-range indices. The slot mapping it receives
+    was checked on the host when the step's metadata was built
+    (``hal.types.check_slot_mapping``); checking it here would read the device every write.
+    """
 
     def __init__(self, layout: KVLayout, device: NpuDevice) -> None:
         super().__init__(layout, device.torch_device)
@@ -155,16 +153,8 @@ class ScatterNDKVStore(TensorKVStore):
         self._indices: torch.Tensor | None = None
 
     def indices(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[N, 1]`` int64 ScatterND indices for a step's slot mapping, validated once."""
+        """``[N, 1]`` int64 ScatterND indices for a step's slot mapping, built once per step."""
         if slots is not self._indices_for:
-            n = self.layout.num_slots
-            if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n):
-                raise IndexError(
-                    f"slot mapping has a slot outside [0, {n}): "
-                    f"min {int(slots.min())}, max {int(slots.max())}"
-                )
-            if torch.unique(slots).numel() != slots.numel():
-                raise IndexError("slot mapping writes one slot twice in a step")
             self._indices = slots.to(torch.int64).reshape(-1, 1)
             self._indices_for = slots
         assert self._indices is not None
@@ -175,6 +165,8 @@ class ScatterNDKVStore(TensorKVStore):
 
 
 class NpuDriver(Driver):
+    device: NpuDevice
+
     def create_kv_store(self, layout: KVLayout) -> ScatterNDKVStore:
         self.device.initialize()
         return ScatterNDKVStore(layout, self.device)

@@ -72,6 +72,7 @@ class EmulatedTorchNpu:
         self.current_device = 0
         self.events: list[EmulatedEvent] = []
         self.scatter_calls = 0
+        self.host_copies = 0  # device-to-host copies: each one a wait for the device
 
     # torch.npu.* ------------------------------------------------------------------------
     def device_count(self) -> int:
@@ -95,9 +96,27 @@ class EmulatedTorchNpu:
             event.synchronize()
         self.events.clear()
 
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor.to("cpu")`` from the device: counted, and a new tensor (the host copy)."""
+        self.host_copies += 1
+        return tensor.clone()
+
     # torch_npu.npu_scatter_nd_update_ ----------------------------------------------------
     def npu_scatter_nd_update_(self, target, indices, updates):
-        """``target[indices[i]] = updates[i]`` in place, with torch_npu's argument rules."""
+        """``target[indices[i]] = updates[i]`` in place, with torch_npu's argument rules.
+
+        Checking the index values reads them, which the real op never does on the host: the
+        checks run unobserved (``DisableTorchFunction``), so tests that record every read of
+        a tensor see the driver's reads, not the test double's."""
+        with torch._C.DisableTorchFunction():
+            self._check_scatter_nd(target, indices, updates)
+        k = indices.shape[-1]
+        flat = indices.reshape(-1, k).long()
+        target.index_put_(tuple(flat.unbind(-1)), updates.reshape(-1, *target.shape[k:]))
+        self.scatter_calls += 1
+        return target
+
+    def _check_scatter_nd(self, target, indices, updates) -> None:
         if indices.dtype not in (torch.int32, torch.int64):
             raise TypeError(
                 f"npu_scatter_nd_update_: indices must be int32 or int64, got {indices.dtype}"
@@ -125,6 +144,3 @@ class EmulatedTorchNpu:
             raise IndexError("npu_scatter_nd_update_: index out of range (undefined on device)")
         if torch.unique(flat, dim=0).shape[0] != flat.shape[0]:
             raise IndexError("npu_scatter_nd_update_: duplicate indices (undefined on device)")
-        target.index_put_(tuple(flat.unbind(-1)), updates.reshape(-1, *target.shape[k:]))
-        self.scatter_calls += 1
-        return target

@@ -12,7 +12,7 @@ from hal.interfaces import AttentionBackend, Device, Driver, Fence, KVStore
 from hal.kernels import adversarial_rows, adversarial_weight, check_rows
 from hal.registry import Registry
 from hal.testing.reference import ATTENTION_BOUND, attention_f64, linear_f64
-from hal.types import AttentionMetadata, KVLayout, ProbeResult, SequenceSlice
+from hal.types import AttentionMetadata, KVLayout, ProbeResult
 
 LAYOUT = KVLayout(num_planes=3, num_blocks=6, block_size=16, num_kv_heads=2, head_dim=32)
 HEADS = 4
@@ -22,11 +22,12 @@ def _rand(*shape, gen, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).bfloat16()
 
 
-def _meta(seqs, device):
-    """seqs: (query_start, query_len, context_len, slots) -> metadata for one step."""
-    slices = tuple(SequenceSlice(s, n, c, torch.as_tensor(sl).to(device)) for s, n, c, sl in seqs)
-    new = torch.cat([sl.kv_slots[sl.context_len :] for sl in slices])
-    return AttentionMetadata(slices, new, sum(sl.query_len for sl in slices))
+def _meta(requests, device):
+    """requests: (query_len, context_len, block ids) -> one step's metadata on ``device``.
+
+    Every backend is checked through ``AttentionMetadata``'s flat fields only (block tables,
+    lengths, query start offsets, slot mapping), the inputs a fused paged kernel takes."""
+    return AttentionMetadata.build(LAYOUT.block_size, requests, LAYOUT.num_slots).to(device)[0]
 
 
 def _modes(driver):
@@ -109,17 +110,17 @@ def test_attention_is_within_the_stated_bound_of_float64(driver):
     gen = torch.Generator().manual_seed(1)
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
-    seqs = [(0, 5, 11, list(range(16))), (5, 1, 30, list(range(32, 63)))]
     q = _rand(1, HEADS, 6, 32, gen=gen, scale=2.0).to(dev)
-    meta = _meta(seqs, dev)
+    meta = _meta([(5, 11, [0]), (1, 30, [5, 2])], dev)  # the second in pages 5, then 2
     for backend, deterministic in _modes(driver):
         for plane in range(LAYOUT.num_planes):
             out = backend.forward(q, plane, kv, meta, 32**-0.5, deterministic).double().cpu()
-            for s in meta.seqs:
-                k, v = kv.gather(plane, s.kv_slots)
-                qs = q[:, :, s.query_start : s.query_start + s.query_len]
-                ref = attention_f64(qs.cpu(), k.cpu(), v.cpu(), 32**-0.5, s.context_len)
-                err = (out[s.query_start : s.query_start + s.query_len] - ref).abs().max()
+            for r in range(meta.num_requests):
+                start, n, ctx = meta.request(r)
+                k, v = kv.gather(plane, meta.request_slots(r))
+                qs = q[:, :, start : start + n]
+                ref = attention_f64(qs.cpu(), k.cpu(), v.cpu(), 32**-0.5, ctx)
+                err = (out[start : start + n] - ref).abs().max()
                 bound = ATTENTION_BOUND * float(v.abs().max())
                 what = f"{backend.name} (deterministic={deterministic}) plane {plane}"
                 assert err <= bound, f"{what}: {err:.4g} > {bound:.4g}"
@@ -132,7 +133,7 @@ def test_hf_exact_backends_equal_the_shared_hf_order_bit_for_bit(driver):
     gen = torch.Generator().manual_seed(2)
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
-    meta = _meta([(0, 7, 9, list(range(16))), (7, 1, 20, list(range(48, 69)))], dev)
+    meta = _meta([(7, 9, [0]), (1, 20, [3, 4])], dev)
     q = _rand(1, HEADS, 8, 32, gen=gen, scale=2.0).to(dev)
     want = paged_eager_attention(q, 1, kv, meta, 32**-0.5)
     for backend in exact:
@@ -144,7 +145,7 @@ def test_attention_reads_only_its_plane_and_its_own_requests_slots(driver):
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
     q = _rand(1, HEADS, 5, 32, gen=gen).to(dev)
-    meta = _meta([(0, 3, 5, list(range(8))), (3, 2, 10, list(range(32, 44)))], dev)
+    meta = _meta([(3, 5, [0]), (2, 10, [2])], dev)  # slots 0..7 and 32..43
     for backend, deterministic in _modes(driver):
         clean = backend.forward(q, 1, kv, meta, 32**-0.5, deterministic)
         used = torch.zeros(LAYOUT.num_slots, dtype=torch.bool)
@@ -170,9 +171,8 @@ def test_a_query_never_sees_later_positions(driver):
     gen = torch.Generator().manual_seed(4)
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
-    slots = list(range(20))
     q = _rand(1, HEADS, 8, 32, gen=gen).to(dev)
-    meta = _meta([(0, 8, 12, slots)], dev)  # positions 12..19
+    meta = _meta([(8, 12, [0, 1])], dev)  # positions 12..19, slots 12..19
     for backend, deterministic in _modes(driver):
         before = backend.forward(q, 0, kv, meta, 32**-0.5, deterministic)
         later = torch.tensor([16, 17, 18, 19], device=dev)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from runtime_glue.toy import PRESETS
+
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
@@ -14,7 +16,7 @@ def _ints(text: str) -> list[int]:
 def _model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model")
-    src.add_argument("--preset", choices=["tiny", "small", "ouro-1.4b-shape"], default="small")
+    src.add_argument("--preset", choices=list(PRESETS), default="small")
     p.add_argument("--device")
     p.add_argument("--attention-backend")
     p.add_argument("--block-size", type=int, default=128)
@@ -56,6 +58,13 @@ def add_parsers(sub) -> None:
     pl.add_argument("--runs", type=int, default=3)
     pl.add_argument("--concurrency", type=int, default=8)
     pl.set_defaults(func=cmd_plans)
+    dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
+    dt.add_argument("--model", help="a checkpoint directory (its tokenizer)")
+    dt.add_argument("--preset", choices=list(PRESETS), default="small")
+    dt.add_argument("--lengths", type=_ints, default=[100, 500, 1000, 2000])
+    dt.add_argument("--runs", type=int, default=5)
+    dt.add_argument("--json", metavar="OUT")
+    dt.set_defaults(func=cmd_detokenize)
     srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
     srv.add_argument("--url", required=True)
     srv.add_argument("--model", help="served model name (default: the server's first)")
@@ -145,6 +154,16 @@ def cmd_plans(args) -> int:
     )
     report["preset"] = None if args.model else args.preset
     return _emit(args, report, markdown_plans(report))
+
+
+def cmd_detokenize(args) -> int:
+    from runtime_glue.bench.detok_bench import detokenize, markdown_detokenize
+    from runtime_glue.tokenizer import load_tokenizer
+    from runtime_glue.toy import cached_checkpoint
+
+    tokenizer = load_tokenizer(args.model or cached_checkpoint(args.preset))
+    report = detokenize(tokenizer, args.lengths, args.runs)
+    return _emit(args, report, markdown_detokenize(report))
 
 
 def cmd_serve(args) -> int:

@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -19,10 +20,20 @@ def summary(values: list[float]) -> dict:
     return {"p50": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
 def machine() -> dict:
+    """Where a figure was measured, with the CPU flags that decide which kernels are fastest."""
+    from runtime_glue.plan import machine_fingerprint
+
+    fingerprint = machine_fingerprint()
+    flags = set(fingerprint.get("flags", "").split())
     return {
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": fingerprint.get("model name") or platform.processor() or platform.machine(),
+        "cpu_flags": [f for f in ISA_FLAGS if f in flags],
+        "torch_capability": fingerprint["torch_capability"],
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -165,7 +176,7 @@ def baseline(llm: LLM, input_len: int, output_len: int, runs: int, concurrency: 
         rows[batch]["baseline"].append(
             total / timed(lambda: [ref.generate(p, output_len) for p in prompts])
         )
-    out = {
+    out: dict[str, Any] = {
         "machine": machine(),
         "device": llm.driver.label,
         "mode": llm.plan.mode,
@@ -228,7 +239,7 @@ def determinism_cost(
                 start = time.perf_counter()
                 llm.generate(batch, params)
                 samples[level][mode].append(output_len * len(batch) / (time.perf_counter() - start))
-    out = {
+    out: dict[str, Any] = {
         "machine": machine(),
         "device": default.driver.label,
         "input_len": input_len,

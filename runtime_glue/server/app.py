@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,11 +11,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime_glue.engine import InvalidRequest
 from runtime_glue.request import RequestOutput
+from runtime_glue.server import DEFAULT_MAX_REQUEST_BYTES
 from runtime_glue.server.engine_loop import EngineLoop
 from runtime_glue.server.protocol import (
     ApiError,
@@ -35,7 +38,12 @@ class Server:
     """Holds the engine loop and turns OpenAI requests into engine requests."""
 
     def __init__(
-        self, llm, served_model_name: str, api_key: str | None = None, default_max_tokens: int = 16
+        self,
+        llm,
+        served_model_name: str,
+        api_key: str | None = None,
+        default_max_tokens: int = 16,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         self.llm = llm
         # The engine thread decodes with llm.tokenizer; a fast tokenizer must not be used from
@@ -44,6 +52,9 @@ class Server:
         self.model_name = served_model_name
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        self.max_request_bytes = max_request_bytes
         self.loop = EngineLoop(llm.engine)
         self.created = int(time.time())
 
@@ -53,7 +64,7 @@ class Server:
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
             what = "missing" if not header else "invalid"
             raise ApiError(
                 401,
@@ -135,7 +146,51 @@ def build_app(server: Server) -> FastAPI:
     app = FastAPI(title="rlt-hal", version="0.1.0", lifespan=lifespan)
     _install_error_handlers(app)
     _install_routes(app, server)
+    app.add_middleware(BodyLimit, max_bytes=server.max_request_bytes)
     return app
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered with an OpenAI-shaped
+    413 before anything buffers it. A declared Content-Length is checked up front; a body sent
+    without one is read up to the limit, then handed on as it was."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if int(declared) > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            chunks.append(message)
+            if not message.get("more_body"):
+                return await self.app(scope, _replay(chunks), send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        message = f"the request body exceeds {self.max_bytes} bytes (--max-request-bytes)"
+        body = error_body(message, "invalid_request_error", None, "request_too_large")
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
+def _replay(messages):
+    pending = list(messages)
+
+    async def receive():
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    return receive
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -168,9 +223,9 @@ def _install_routes(app: FastAPI, server: Server) -> None:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics")
     async def metrics():
-        return server.loop.metrics.render()
+        return Response(server.loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -85,8 +85,7 @@ class EngineLoop:
             except ValueError as exc:
                 self._send(rid, exc)
                 return
-            with self.metrics.lock:
-                self.metrics.prompt_tokens += len(ids)
+            self.metrics.prompt_tokens.inc(len(ids))
         elif cmd[0] == "abort":
             rid = cmd[1]
             if self.engine.abort_request(rid):
@@ -94,20 +93,18 @@ class EngineLoop:
             self._sinks.pop(rid, None)
 
     def _deliver(self, out: RequestOutput) -> None:
-        with self.metrics.lock:
-            self.metrics.generated_tokens += len(out.new_token_ids)
+        self.metrics.generated_tokens.inc(len(out.new_token_ids))
         if out.finished:
             self._finish_metrics(out.finish_reason or "stop", out)
         self._send(out.request_id, out)
 
     def _finish_metrics(self, status: str, out: RequestOutput | None = None) -> None:
-        with self.metrics.lock:
-            self.metrics.requests[status] += 1
-            if out is not None and out.first_token_time is not None:
-                self.metrics.ttft.observe(out.first_token_time - out.arrival_time)
-                if len(out.token_ids) > 1:
-                    decode = time.monotonic() - out.first_token_time
-                    self.metrics.tpot.observe(decode / (len(out.token_ids) - 1))
+        self.metrics.requests.labels(status).inc()
+        if out is not None and out.first_token_time is not None:
+            self.metrics.ttft.observe(out.first_token_time - out.arrival_time)
+            if len(out.token_ids) > 1:
+                decode = time.monotonic() - out.first_token_time
+                self.metrics.tpot.observe(decode / (len(out.token_ids) - 1))
 
     def _send(self, rid: str, item) -> None:
         target = self._sinks.get(rid)
@@ -121,7 +118,6 @@ class EngineLoop:
 
     def _snapshot(self) -> None:
         eng = self.engine
-        with self.metrics.lock:
-            self.metrics.running = len(eng.running)
-            self.metrics.waiting = len(eng.waiting)
-            self.metrics.free_blocks = eng.num_free_blocks
+        self.metrics.running.set(len(eng.running))
+        self.metrics.waiting.set(len(eng.waiting))
+        self.metrics.free_blocks.set(eng.num_free_blocks)

@@ -7,7 +7,7 @@ with an error that says "not supported" otherwise.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -110,8 +110,8 @@ class CompletionRequest(_SamplingFields):
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            p = p[0]  # a batch of one (check_supported refused larger ones)
+        return cast("str | list[int]", p)
 
 
 class ChatMessage(BaseModel):

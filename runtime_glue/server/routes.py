@@ -8,7 +8,7 @@ import time
 from fastapi.responses import StreamingResponse
 
 from runtime_glue.request import RequestOutput
-from runtime_glue.server.protocol import ApiError
+from runtime_glue.server.protocol import ApiError, error_body
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -90,16 +90,7 @@ async def _stream(outputs, head: dict, shape: _Shape, include_usage: bool):
         async for out in outputs:
             last = out
             if out.finish_reason == "error":
-                yield _sse(
-                    {
-                        "error": {
-                            "message": f"generation failed: {out.error}",
-                            "type": "server_error",
-                            "param": None,
-                            "code": None,
-                        }
-                    }
-                )
+                yield _sse(error_body(f"generation failed: {out.error}", "server_error"))
                 break
             text = _stable_text(out.text, out.finished)
             delta = text[len(sent) :] if text.startswith(sent) else ""
@@ -108,9 +99,7 @@ async def _stream(outputs, head: dict, shape: _Shape, include_usage: bool):
                 reason = out.finish_reason if out.finished else None
                 yield _sse({**chunk, "choices": [shape.delta(delta, reason)]})
     except ApiError as exc:
-        yield _sse(
-            {"error": {"message": str(exc), "type": exc.type, "param": exc.param, "code": exc.code}}
-        )
+        yield _sse(error_body(str(exc), exc.type, exc.param, exc.code))
     if include_usage and last is not None:
         yield _sse({**chunk, "choices": [], "usage": _usage(last)})
     yield "data: [DONE]\n\n"
