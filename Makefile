@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 # Ascend users install the torch that matches their torch_npu.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test lint run serve clean
+.PHONY: setup test test-floors lint run serve clean
 
 $(STAMP): pyproject.toml examples/rlt-hal-acme/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,18 @@ test: lint
 	RLT_HAL_NPU_EMULATE=1 $(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing \
 		--rlt-driver npu
 
+# The lowest versions pyproject.toml allows of the libraries whose APIs the runtime and the
+# HF-module reference depend on, in a venv of their own: the tests that use them must pass.
+FLOORS := "transformers==5.0.0" "tokenizers==0.22.1"
+FLOOR_VENV := .venv-floors
+
+test-floors: $(STAMP)
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test]" $(FLOORS)
+	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_parity.py \
+		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py
+
 # The main job: the OpenAI-compatible server on the embedded default (a small random Ouro
 # checkpoint) at http://127.0.0.1:8000/v1. `make run` generates once without a server.
 serve: $(STAMP)
@@ -45,4 +57,4 @@ run: $(STAMP)
 	$(BIN)/rlt-hal run
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .ruff_cache .mypy_cache
