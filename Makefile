@@ -6,8 +6,11 @@ STAMP  := $(VENV)/.installed-stamp
 # The CPU build of torch for development and CI. The package itself only asks for a range:
 # Ascend users install the torch that matches their torch_npu.
 TORCH_PIN ?= torch==2.13.0
+# The real torch_npu release that pairs with TORCH_PIN (its import and error paths are tested
+# without CANN by make test-torch-npu).
+TORCH_NPU_PIN ?= torch-npu==2.13.0
 
-.PHONY: setup test test-floors lint run serve clean
+.PHONY: setup test test-floors test-torch-npu lint run serve clean
 
 $(STAMP): pyproject.toml examples/rlt-hal-acme/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +51,16 @@ test-floors: $(STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_parity.py \
 		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py
 
+# The real torch_npu package beside torch, with no CANN: rlt-hal must still list its drivers,
+# run on cpu, and say what to install or source for npu.
+TORCH_NPU_VENV := .venv-torch-npu
+
+test-torch-npu: $(STAMP)
+	test -x $(TORCH_NPU_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_NPU_VENV)
+	$(TORCH_NPU_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" "$(TORCH_NPU_PIN)"
+	$(TORCH_NPU_VENV)/bin/python -m pip install -q -e ".[test]"
+	$(TORCH_NPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_npu_package.py
+
 # The main job: the OpenAI-compatible server on the embedded default (a small random Ouro
 # checkpoint) at http://127.0.0.1:8000/v1. `make run` generates once without a server.
 serve: $(STAMP)
@@ -57,4 +70,4 @@ run: $(STAMP)
 	$(BIN)/rlt-hal run
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(TORCH_NPU_VENV) .pytest_cache .ruff_cache .mypy_cache

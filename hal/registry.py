@@ -160,11 +160,34 @@ class Registry:
         raise RuntimeError(f"no device is available for auto selection ({reasons})")
 
     def create(self, device: str | None = None, **options) -> Driver:
-        """Select a driver and build it; the device itself initialises lazily."""
+        """Select a driver and build it. A driver chosen by name initialises lazily (its errors
+        then say what to install); ``auto`` initialises each candidate it would pick and passes
+        over one that fails, so it never returns a driver that cannot start."""
         selection = self.select(device)
-        if selection.index is not None:
-            options.setdefault("index", selection.index)
-        return selection.spec.create(**options)
+        if selection.source != "auto":
+            if selection.index is not None:
+                options.setdefault("index", selection.index)
+            return selection.spec.create(**options)
+        skipped = list(selection.skipped)
+        for spec in self._auto_candidates(selection.spec.name):
+            try:
+                driver = spec.create(**options)
+                driver.device.initialize()
+            except Exception as exc:  # noqa: BLE001 - any failure means "not this one"
+                skipped.append((spec.name, f"it failed to initialise: {exc}"))
+                logger.info("auto device selection skipped %s: %s", spec.name, exc)
+                continue
+            return driver
+        reasons = "; ".join(f"{n}: {why}" for n, why in skipped)
+        raise RuntimeError(f"no device is available for auto selection ({reasons})")
+
+    def _auto_candidates(self, first: str):
+        """Available, non-emulated drivers in ``AUTO_ORDER`` from ``first`` on."""
+        for name in AUTO_ORDER[AUTO_ORDER.index(first) :]:
+            if name in self._specs:
+                probe = safe_probe(self._specs[name])
+                if probe.available and not probe.emulated:
+                    yield self._specs[name]
 
 
 _default: Registry | None = None

@@ -1,5 +1,6 @@
 """Everything between a user and the HAL: loading, the Ouro executor, engine, server, CLI."""
 
+import hal  # noqa: F401 - first: it keeps torch from auto-loading vendor stacks (see hal)
 from runtime_glue.llm import LLM, CompletionOutput
 from runtime_glue.sampling import SamplingParams
 

@@ -108,6 +108,31 @@ def _first_divergence(rec_a: _Recorder, rec_b: _Recorder, rows: int, cfg) -> Div
     return None
 
 
+@attrs.frozen
+class ToleranceCheck:
+    """Two greedy runs of one prompt held to a tolerance instead of to equal bits."""
+
+    passed: bool
+    parted_at: int | None  # the first step whose tokens differ
+    max_logit_diff: float  # over the steps both runs fed the same tokens
+    near_tie: bool  # where they parted, B's pick was within the tolerance of A's best
+
+
+def within_tolerance(tokens_a, logits_a, tokens_b, logits_b, tolerance: float) -> ToleranceCheck:
+    """Logits within ``tolerance`` while both runs are fed the same tokens, and tokens that part
+    only where B picked a token within ``tolerance`` of A's best (a near-tie, where the last
+    bits decide the argmax)."""
+    n = min(len(tokens_a), len(tokens_b))
+    parted = next((i for i in range(n) if tokens_a[i] != tokens_b[i]), None)
+    fed_alike = n if parted is None else parted + 1
+    diff = float((logits_a[:fed_alike] - logits_b[:fed_alike]).abs().max()) if fed_alike else 0.0
+    near_tie = True
+    if parted is not None:
+        near_tie = float(logits_a[parted].max() - logits_a[parted][tokens_b[parted]]) <= tolerance
+    same_length = len(tokens_a) == len(tokens_b)
+    return ToleranceCheck(diff <= tolerance and near_tie and same_length, parted, diff, near_tie)
+
+
 def compare(
     llm_a: LLM,
     llm_b: LLM,

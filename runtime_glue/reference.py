@@ -16,15 +16,38 @@ from typing import cast
 
 import torch
 from safetensors.torch import load_file
-from transformers import DynamicCache, LlamaConfig
-from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
 
 from runtime_glue.config import OuroConfig
+
+
+def _raised_in_torch_npu(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if "torch_npu" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+try:
+    from transformers import DynamicCache, LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaAttention,
+        LlamaMLP,
+        LlamaRMSNorm,
+        LlamaRotaryEmbedding,
+    )
+except (ImportError, OSError, RuntimeError) as exc:
+    # transformers' modeling code imports torch_npu whenever it is installed; on a host without
+    # the Ascend stack that import fails, and with it this module. (The runtime never imports
+    # transformers' modeling code: only this reference does.)
+    if not _raised_in_torch_npu(exc):
+        raise
+    raise RuntimeError(
+        f"the HF-module reference imports transformers' modeling code, which imports the "
+        f"installed torch_npu, and that failed ({exc}): source CANN's set_env.sh where the "
+        f"Ascend stack is installed, or uninstall torch-npu where it is not"
+    ) from exc
 
 
 def _cache_keyword() -> str:

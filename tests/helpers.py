@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from hal.eager import EagerBackend
 from runtime_glue.config import OuroConfig
 from runtime_glue.llm import LLM
 from runtime_glue.sampling import SamplingParams
@@ -58,3 +59,40 @@ def run_parity_case(llm: LLM, model_dir, prompts: list[list[int]], max_new: int)
         assert torch.equal(out.logits, ref_logits), (
             f"logits differ by {(out.logits - ref_logits).abs().max().item()}"
         )
+
+
+class PerturbedBackend(EagerBackend):
+    """Test double: cpu_eager, except that the attention output of one plane is nudged at one
+    position (any position when ``position`` is None): a driver with a planted error."""
+
+    name = "perturbed_eager"
+
+    def __init__(self, plane: int, position: int | None, by: float = 0.5) -> None:
+        self.plane, self.position, self.by = plane, position, by
+
+    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        out = super().forward(query, plane, kv, meta, scaling, deterministic)
+        if plane == self.plane:
+            for r in range(meta.num_requests):
+                start, query_len, context_len = meta.request(r)
+                for row in range(query_len):
+                    if self.position in (None, context_len + row):
+                        out[start + row] += self.by
+        return out
+
+
+def registry_with(backend, name: str = "perturbed"):
+    """A registry whose only driver, ``name``, is the cpu driver with ``backend`` (a test
+    double) as its one attention backend."""
+    from drivers.cpu.driver import CpuDevice, CpuDriver
+    from hal import DriverSpec, ProbeResult, Registry, hookimpl
+
+    class Plugin:
+        @hookimpl
+        def rlt_hal_register_drivers(self):
+            def create(**_):
+                return CpuDriver(name, CpuDevice(), {backend.name: backend}, backend.name)
+
+            return [DriverSpec(name, lambda: ProbeResult(True), create)]
+
+    return Registry(plugins=[Plugin()])

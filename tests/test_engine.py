@@ -17,6 +17,7 @@ import torch
 
 from hal.interfaces import Fence
 from runtime_glue.llm import LLM
+from runtime_glue.parity import within_tolerance
 from runtime_glue.sampling import SamplingParams
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import GREEDY, prompt_of, request_slots
@@ -37,13 +38,8 @@ def _assert_same(got, want, mode: str):
         if mode == "deterministic":
             assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits)
             continue
-        n = len(w.token_ids)
-        parted = next((i for i in range(n) if g.token_ids[i] != w.token_ids[i]), n)
-        fed_alike = min(parted + 1, n)  # steps whose inputs were the same tokens
-        assert (g.logits[:fed_alike] - w.logits[:fed_alike]).abs().max() <= LOGIT_TOLERANCE
-        if parted < n:  # only at a near-tie: the batched pick is nearly the best alone
-            best, picked = w.logits[parted].max(), w.logits[parted][g.token_ids[parted]]
-            assert best - picked <= LOGIT_TOLERANCE, f"tokens parted at step {parted}"
+        check = within_tolerance(w.token_ids, w.logits, g.token_ids, g.logits, LOGIT_TOLERANCE)
+        assert check.passed, check
 
 
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)

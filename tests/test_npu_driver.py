@@ -6,7 +6,9 @@ way", it puts a stand-in package named torch_npu on sys.path (a test double, nam
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -50,7 +52,8 @@ def test_probing_listing_and_selecting_cpu_never_import_torch_npu(tmp_path, tiny
         from hal.registry import Registry
         reg = Registry()
         probes = dict((s.name, p) for s, p in reg.probe_all())
-        assert probes["npu"].available, probes["npu"]  # found by find_spec, not imported
+        npu = probes["npu"]  # found by find_spec, not imported; no CANN here
+        assert not npu.available and "set_env.sh" in npu.reason, npu
         from runtime_glue.llm import LLM
         LLM({str(tiny_ckpt)!r}, device="cpu", num_blocks=2).generate([[5, 6]])
         assert "torch_npu" not in sys.modules
@@ -64,16 +67,94 @@ def test_probing_listing_and_selecting_cpu_never_import_torch_npu(tmp_path, tiny
     assert not marker.exists(), "torch_npu was imported"
 
 
-def test_without_torch_npu_initialize_says_which_release_to_install(monkeypatch):
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here"
+)
+def test_without_torch_npu_initialize_says_how_to_find_the_release_to_install(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
     version = torch.__version__.split("+")[0]
     with pytest.raises(
         RuntimeError,
-        match=rf"torch_npu is not installed; install the torch_npu "
-        rf"release built for torch {version} \(pip install "
-        rf"torch-npu=={version}\)",
+        match=rf"torch_npu is not installed; install the torch-npu build for torch {version}: "
+        r"`pip index versions torch-npu` lists them",
     ):
         NpuDevice(0).initialize()
+
+
+def test_a_torch_npu_built_for_another_torch_names_both_versions(stand_in, monkeypatch):
+    # A stand-in torch_npu (a test double) failing the way a mismatched build does.
+    import importlib.metadata
+
+    stand_in("raise ImportError('libtorch_npu.so: undefined symbol: _ZN3c104impl8GPUTrace')")
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda d: "2.12.0" if d == "torch-npu" else real(d)
+    )
+    version = torch.__version__.split("+")[0]
+    with pytest.raises(
+        RuntimeError,
+        match=rf"torch_npu 2.12.0 was built for another torch than this torch {version} "
+        r"\(libtorch_npu.so: undefined symbol: .*\); install the torch-npu build for torch",
+    ):
+        NpuDevice(0).initialize()
+
+
+def test_a_missing_npu_driver_is_named_as_the_driver_not_cann(stand_in):
+    stand_in("raise ImportError('libascend_hal.so: cannot open shared object file')")
+    with pytest.raises(
+        RuntimeError,
+        match=r"the Ascend NPU driver is not installed or not on the library path "
+        r"\(libascend_hal.so: .*\); install the Ascend NPU driver and firmware packages",
+    ):
+        NpuDevice(0).initialize()
+
+
+def _ascend_host(tmp_path, *, toolkit=True, acl=True, driver=True, cards=(0, 1)):
+    """A fake host layout for the probe (a test double: directories, empty files and device
+    nodes as plain files): returns the environment and the /dev directory."""
+    env, dev = {}, tmp_path / "dev"
+    dev.mkdir()
+    if toolkit:
+        (tmp_path / "toolkit").mkdir()
+        env["ASCEND_TOOLKIT_HOME"] = str(tmp_path / "toolkit")
+    libs = tmp_path / "lib"
+    libs.mkdir()
+    env["LD_LIBRARY_PATH"] = str(libs)
+    for name, present in (("libascendcl.so", acl), ("libascend_hal.so", driver)):
+        if present:
+            (libs / name).touch()
+    for n in cards:
+        (dev / f"davinci{n}").touch()
+    (dev / "davinci_manager").touch()  # not a card
+    return env, dev
+
+
+@pytest.mark.parametrize(
+    "missing, message",
+    [
+        (dict(toolkit=False), r"CANN is not set up .* source /usr/local/Ascend/ascend-toolkit"),
+        (dict(acl=False), "libascendcl.so is not on LD_LIBRARY_PATH; source"),
+        (dict(driver=False), r"NPU driver is not installed \(no libascend_hal.so\); install"),
+        (dict(cards=()), r"no Ascend device is visible \(no .*/davinci<N> node"),
+    ],
+)
+def test_the_probe_names_the_first_missing_part_of_the_stack(tmp_path, missing, message):
+    from drivers.npu import environment
+
+    env, dev = _ascend_host(tmp_path, **missing)
+    why = environment.problem(env, dev)
+    assert why is not None and re.search(message, why), why
+
+
+def test_the_probe_passes_a_ready_host_and_honours_visible_devices(tmp_path):
+    from drivers.npu import environment
+
+    env, dev = _ascend_host(tmp_path)
+    assert environment.problem(env, dev) is None
+    assert environment.visible_devices(env, dev) == [0, 1]
+    assert environment.visible_devices({**env, "ASCEND_RT_VISIBLE_DEVICES": "1"}, dev) == [1]
+    hidden = {**env, "ASCEND_RT_VISIBLE_DEVICES": ""}
+    assert "ASCEND_RT_VISIBLE_DEVICES=''" in environment.problem(hidden, dev)
 
 
 def test_an_unsourced_cann_is_reported_with_the_set_env_command(stand_in):
@@ -125,27 +206,52 @@ def test_the_current_stream_is_fetched_once_and_cached():
     assert device.stream is stream
 
 
-@pytest.mark.parametrize(
-    "make, error, message",
-    [
-        (lambda t: (torch.tensor([[1]], dtype=torch.int16), t[:1]), TypeError, "int32 or int64"),
-        (lambda t: (torch.tensor([[1]]), t[:1].float()), TypeError, "they must match"),
-        (lambda t: (torch.tensor([[1, 0, 0, 0]]), t[:1]), ValueError, r"must be <= self.ndim"),
-        (
-            lambda t: (torch.tensor([[1]]), t[:2]),
-            ValueError,
-            r"updates.shape \[2, 2, 4\] must equal",
-        ),
-        (lambda t: (torch.tensor([[9]]), t[:1]), IndexError, "index out of range"),
-        (lambda t: (torch.tensor([[1], [1]]), t[:2]), IndexError, "duplicate indices"),
-    ],
-)
-def test_emulated_scatter_nd_enforces_torch_npus_argument_rules(make, error, message):
+# The rules, as torch_npu documents npu_scatter_nd_update_ (torch_npu/_op_plugin_docs.py of
+# the 2.13.0 wheel): indices int32 or int64 and at least 2-D, their last dimension at most
+# input's; updates.shape = indices.shape[:-1] + input.shape[k:]; input of 1 to 8 dimensions,
+# float32, float16, bool, bfloat16, int64 or int8 on A2/A3, updates of the same dtype; no
+# index out of range. The real op raises RuntimeError.
+REFUSED = {
+    "1-D indices": (lambda t: (torch.tensor([1]), t[1:2, 0]), "at least 2-D"),
+    "int16 indices": (lambda t: (torch.tensor([[1]], dtype=torch.int16), t[:1]), "int32 or int64"),
+    "int32 data": (lambda t: (torch.tensor([[1]]), t[:1].int()), "bfloat16, int64 or int8"),
+    "updates of another dtype": (lambda t: (torch.tensor([[1]]), t[:1].half()), "input's dtype"),
+    "indices deeper than input": (lambda t: (torch.tensor([[1, 0, 0, 0]]), t[:1]), "cannot exceed"),
+    "misshaped updates": (lambda t: (torch.tensor([[1]]), t[:2]), r"must equal .* \[1, 2, 4\]"),
+    "an index out of range": (lambda t: (torch.tensor([[9]]), t[:1]), "out of range"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_the_emulated_scatter_nd_refuses_what_torch_npus_documentation_rules_out(case):
+    make, message = REFUSED[case]
     target = torch.zeros(8, 2, 4, dtype=torch.bfloat16)
     indices, updates = make(torch.ones(8, 2, 4, dtype=torch.bfloat16))
-    with pytest.raises(error, match=message):
-        EmulatedTorchNpu().npu_scatter_nd_update_(target, indices, updates)
+    data = target.int() if case == "int32 data" else target
+    with pytest.raises(RuntimeError, match=f"{message}.*documented rule"):
+        EmulatedTorchNpu().npu_scatter_nd_update_(data, indices, updates)
     assert not target.any(), "a refused update must not have written anything"
+
+
+@pytest.mark.parametrize(
+    "dtype, index_dtype, indices, updates_shape",
+    [
+        (torch.bfloat16, torch.int64, [[3], [5]], (2, 2, 4)),  # what the KV store writes
+        (torch.bfloat16, torch.int32, [[3], [5]], (2, 2, 4)),
+        (torch.int8, torch.int64, [[3, 1], [5, 0]], (2, 4)),  # k = 2: a row of plane 3
+        (torch.bool, torch.int64, [[[1]], [[2]]], (2, 1, 2, 4)),  # 3-D indices
+        (torch.float32, torch.int64, [[1], [1]], (2, 2, 4)),  # duplicates are not ruled out
+    ],
+)
+def test_the_emulated_scatter_nd_accepts_what_the_documentation_allows(
+    dtype, index_dtype, indices, updates_shape
+):
+    target = torch.zeros(8, 2, 4, dtype=dtype)
+    idx = torch.tensor(indices, dtype=index_dtype)
+    updates = torch.ones(updates_shape, dtype=dtype)
+    EmulatedTorchNpu().npu_scatter_nd_update_(target, idx, updates)
+    flat = idx.reshape(-1, idx.shape[-1]).long()
+    assert all(target[tuple(i)].all() for i in flat.tolist())
 
 
 def _store():

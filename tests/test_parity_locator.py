@@ -7,44 +7,9 @@ import os
 
 import pytest
 
-from drivers.cpu.driver import CpuDevice, CpuDriver
-from hal import DriverSpec, ProbeResult, Registry, hookimpl
-from hal.eager import EagerBackend
 from runtime_glue.llm import LLM
 from runtime_glue.parity import compare
-from tests.helpers import prompt_of, rlt_hal
-
-
-class PerturbedBackend(EagerBackend):
-    """Test double: cpu_eager, except the attention output of one plane is nudged."""
-
-    name = "perturbed_eager"
-
-    def __init__(self, plane: int, position: int) -> None:
-        self.plane, self.position = plane, position
-
-    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
-        out = super().forward(query, plane, kv, meta, scaling, deterministic)
-        if plane == self.plane:
-            for r in range(meta.num_requests):
-                start, query_len, context_len = meta.request(r)
-                row = self.position - context_len
-                if 0 <= row < query_len:
-                    out[start + row] += 0.5
-        return out
-
-
-def _registry(plane: int, position: int) -> Registry:
-    class Plugin:
-        @hookimpl
-        def rlt_hal_register_drivers(self):
-            def create(**_):
-                backend = PerturbedBackend(plane, position)
-                return CpuDriver("perturbed", CpuDevice(), {backend.name: backend}, backend.name)
-
-            return [DriverSpec("perturbed", lambda: ProbeResult(True), create)]
-
-    return Registry(plugins=[Plugin()])
+from tests.helpers import PerturbedBackend, prompt_of, registry_with, rlt_hal
 
 
 @pytest.mark.parametrize("loop, layer, position", [(0, 0, 0), (2, 1, 6), (3, 1, 12)])
@@ -58,7 +23,7 @@ def test_a_planted_difference_is_reported_at_its_loop_layer_and_op(
         device="perturbed",
         block_size=16,
         num_blocks=8,
-        registry=_registry(plane, position),
+        registry=registry_with(PerturbedBackend(plane, position)),
         deterministic=False,
     )
     report = compare(a, b, prompt_of(10, seed=3), max_tokens=6)

@@ -178,3 +178,27 @@ def test_a_hook_that_returns_something_else_than_driver_specs_is_a_broken_plug_i
     assert probes["cpu"].available
     [broken] = [p for name, p in probes.items() if name != "cpu"]
     assert "must return DriverSpec values" in broken.reason
+
+
+def test_auto_passes_over_a_driver_that_fails_to_initialise():
+    from drivers.cpu.driver import create as create_cpu
+
+    class NoCard:
+        def initialize(self):
+            raise RuntimeError("no card answered")
+
+    class Broken:
+        device = NoCard()
+
+    reg = Registry(
+        plugins=[
+            _Plugin(
+                DriverSpec("npu", lambda: ProbeResult(True), lambda **kw: Broken()),
+                DriverSpec("cpu", lambda: ProbeResult(True), lambda **kw: create_cpu()),
+            )
+        ],
+        load_entrypoints=False,
+    )
+    assert reg.create("auto").name == "cpu"
+    with pytest.raises(RuntimeError, match="no card answered"):
+        reg.create("npu").device.initialize()  # chosen by name: its own error, no fallback

@@ -7,18 +7,53 @@ a test double for the hardware, and labels itself "emulated".
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import types
 from typing import Any
 
 import torch
 
+from drivers.npu import environment
 from drivers.npu.emulation import emulation_requested
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import Device, Driver, EventFence, Fence
 from hal.types import KVLayout
 
-CANN_HINT = "source /usr/local/Ascend/ascend-toolkit/set_env.sh (or your CANN install's set_env.sh)"
+
+def _versions() -> tuple[str, str]:
+    """torch's and the installed torch_npu's version, without importing torch_npu."""
+    try:
+        npu = importlib.metadata.version("torch-npu")
+    except importlib.metadata.PackageNotFoundError:
+        npu = "?"
+    return torch.__version__.split("+")[0], npu
+
+
+def _pairing_hint(torch_version: str) -> str:
+    return (
+        f"install the torch-npu build for torch {torch_version}: `pip index versions torch-npu` "
+        f"lists them (X.Y.Z or X.Y.Z.postN pairs with torch X.Y.Z; .postN builds pair with newer "
+        f"CANN releases; docs/ascend.md has the table)"
+    )
+
+
+def explain_import_failure(exc: BaseException) -> str:
+    """What a failed ``import torch_npu`` means and what to do, from the error's text."""
+    text = str(exc)
+    torch_version, npu_version = _versions()
+    if "undefined symbol" in text:
+        return (
+            f"torch_npu {npu_version} was built for another torch than this torch "
+            f"{torch_version} ({text}); {_pairing_hint(torch_version)}"
+        )
+    if "libascend_hal" in text or "libdrvdsmi" in text:
+        return f"the Ascend NPU driver is not installed or not on the library path ({text}); " + (
+            environment.DRIVER_HINT
+        )
+    if any(lib in text for lib in ("libhccl", "libascendcl", "libacl", "libge_", "libopapi")):
+        return f"CANN is not set up ({text}); {environment.CANN_HINT}"
+    return f"importing torch_npu failed: {text}"
 
 
 def import_torch_npu() -> types.SimpleNamespace:
@@ -27,16 +62,12 @@ def import_torch_npu() -> types.SimpleNamespace:
         import torch_npu  # noqa: F401 - registers torch.npu
     except ModuleNotFoundError as exc:
         if exc.name != "torch_npu":
-            raise
+            raise RuntimeError(explain_import_failure(exc)) from exc
         raise RuntimeError(
-            f"torch_npu is not installed; install the torch_npu release built for torch "
-            f"{torch.__version__.split('+')[0]} (pip install torch-npu=="
-            f"{torch.__version__.split('+')[0]}) together with a matching CANN"
+            f"torch_npu is not installed; {_pairing_hint(_versions()[0])}, with a matching CANN"
         ) from None
-    except (OSError, ImportError) as exc:
-        if any(lib in str(exc) for lib in ("libhccl", "libascendcl", "libascend", "libge_")):
-            raise RuntimeError(f"CANN is not set up ({exc}); {CANN_HINT}") from None
-        raise RuntimeError(f"importing torch_npu failed: {exc}") from exc
+    except (OSError, ImportError, RuntimeError) as exc:
+        raise RuntimeError(explain_import_failure(exc)) from exc
     npu = torch.npu  # type: ignore[attr-defined]
     return types.SimpleNamespace(
         label="torch_npu",

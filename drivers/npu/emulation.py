@@ -16,11 +16,13 @@ import os
 import torch
 
 EMULATE_ENV_VAR = "RLT_HAL_NPU_EMULATE"
+# torch_npu's own documentation of npu_scatter_nd_update_ (torch_npu/_op_plugin_docs.py in the
+# 2.13.0 wheel): data types of input and updates on Atlas A2/A3 (910B, the parts with bf16).
 SCATTER_ND_DTYPES = (
-    torch.bfloat16,
-    torch.float16,
     torch.float32,
-    torch.int32,
+    torch.float16,
+    torch.bool,
+    torch.bfloat16,
     torch.int64,
     torch.int8,
 )
@@ -117,30 +119,33 @@ class EmulatedTorchNpu:
         return target
 
     def _check_scatter_nd(self, target, indices, updates) -> None:
+        """The op's documented rules (see SCATTER_ND_DTYPES); the real op raises RuntimeError."""
+
+        def refuse(rule: str):
+            raise RuntimeError(f"npu_scatter_nd_update_: {rule} (torch_npu's documented rule)")
+
         if indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(
-                f"npu_scatter_nd_update_: indices must be int32 or int64, got {indices.dtype}"
+            refuse(f"indices must be int32 or int64, got {indices.dtype}")
+        if indices.dim() < 2:
+            refuse(f"indices must be at least 2-D, got {indices.dim()}-D")
+        if not 1 <= target.dim() <= 8:
+            refuse(f"input must have 1 to 8 dimensions, got {target.dim()}")
+        if target.dtype not in SCATTER_ND_DTYPES:
+            refuse(
+                f"input must be float32, float16, bool, bfloat16, int64 or int8 on A2/A3, "
+                f"got {target.dtype}"
             )
-        if target.dtype not in SCATTER_ND_DTYPES or updates.dtype != target.dtype:
-            raise TypeError(
-                f"npu_scatter_nd_update_: self is {target.dtype}, updates "
-                f"{updates.dtype}; they must match and be a supported dtype"
-            )
-        if indices.dim() < 1 or indices.shape[-1] > target.dim():
-            raise ValueError(
-                f"npu_scatter_nd_update_: indices.shape[-1] "
-                f"({indices.shape[-1]}) must be <= self.ndim ({target.dim()})"
-            )
+        if updates.dtype != target.dtype:
+            refuse(f"updates must have input's dtype {target.dtype}, got {updates.dtype}")
         k = indices.shape[-1]
+        if k > target.dim():
+            refuse(f"the last dimension of indices ({k}) cannot exceed input's ({target.dim()})")
         want = tuple(indices.shape[:-1]) + tuple(target.shape[k:])
         if tuple(updates.shape) != want:
-            raise ValueError(
-                f"npu_scatter_nd_update_: updates.shape {list(updates.shape)} "
-                f"must equal indices.shape[:-1] + self.shape[{k}:] = {list(want)}"
+            refuse(
+                f"updates.shape {list(updates.shape)} must equal indices.shape[:-1] + "
+                f"input.shape[{k}:] = {list(want)}"
             )
         flat = indices.reshape(-1, k).long()
-        bounds = torch.tensor(target.shape[:k])
-        if ((flat < 0) | (flat >= bounds)).any():
-            raise IndexError("npu_scatter_nd_update_: index out of range (undefined on device)")
-        if torch.unique(flat, dim=0).shape[0] != flat.shape[0]:
-            raise IndexError("npu_scatter_nd_update_: duplicate indices (undefined on device)")
+        if ((flat < 0) | (flat >= torch.tensor(target.shape[:k]))).any():
+            refuse("indices must not be out of range")

@@ -1,7 +1,9 @@
-"""Entry point ``rlt_hal: npu``. The probe looks for torch_npu without importing it."""
+"""Entry point ``rlt_hal: npu``. The probe looks for torch_npu, CANN, the NPU driver and the
+devices without importing any of them (``drivers.npu.environment``)."""
 
 import importlib.util
 
+from drivers.npu import environment
 from drivers.npu.emulation import emulation_requested
 from hal import DriverSpec, ProbeResult, hookimpl
 
@@ -20,7 +22,8 @@ def _probe() -> ProbeResult:
             "torch_npu is not installed; install the torch_npu release that matches your torch "
             "and CANN (see docs/ascend.md), or set RLT_HAL_NPU_EMULATE=1 for the CPU emulation",
         )
-    return ProbeResult(True)
+    why = environment.problem()
+    return ProbeResult(why is None, why or "")
 
 
 def _create(**options):
