@@ -120,6 +120,28 @@ class AttentionMetadata:
             self._slots[r] = (table[:, None] * self.block_size + offsets).flatten()[: ctx + n]
         return self._slots[r]
 
+    def select(self, requests: Sequence[int]) -> AttentionMetadata:
+        """The metadata of some of the step's requests (their rows renumbered from 0)."""
+        device = self.block_tables.device
+        rows: list[int] = []
+        starts, ctx = [0], []
+        for r in requests:
+            start, n, c = self.request(r)
+            rows += range(start, start + n)
+            starts.append(starts[-1] + n)
+            ctx.append(c)
+        which = torch.tensor(list(requests), dtype=torch.int64, device=device)
+        return AttentionMetadata(
+            self.block_size,
+            self.slot_mapping.index_select(0, torch.tensor(rows, dtype=torch.int64, device=device)),
+            self.block_tables.index_select(0, which),
+            self.seq_lens.index_select(0, which),
+            self.context_lens.index_select(0, which),
+            torch.tensor(starts, dtype=torch.int32, device=device),
+            tuple(starts),
+            tuple(ctx),
+        )
+
     @classmethod
     def build(
         cls,

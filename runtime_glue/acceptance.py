@@ -118,7 +118,7 @@ def accuracy(llm: LLM, reference, questions, max_tokens: int) -> Part:
 def latency_part(llm: LLM, prompt_len: int, output_len: int) -> Part:
     from runtime_glue.bench.engine_bench import latency, markdown_latency
 
-    llm.engine.validate([3] * prompt_len, output_len)  # before any measurement
+    llm.engine.validate([3] * prompt_len, SamplingParams(max_tokens=output_len))  # first
     report = latency(llm, [prompt_len], output_len, runs=1, warmup=0)
     row = report["results"][0]
     figures = [row["ttft_s"]["p50"], row["tpot_s"]["p50"], row["tpot_over_decode_floor"]]

@@ -43,6 +43,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="bit-identical results whatever the chunk size or batch mix; --no-deterministic "
         "keeps HF's own bits for a lone request (default: the backend's choice, on for cpu)",
     )
+    p.add_argument(
+        "--exit-threshold",
+        type=float,
+        help="default exit threshold of Ouro's gate for requests that choose none (in (0, 1]; "
+        "default: the checkpoint's early_exit_threshold)",
+    )
+    p.add_argument(
+        "--exit-at-step", type=int, help="default loop to read logits from (0 .. loops - 1)"
+    )
+    p.add_argument(
+        "--adaptive-depth",
+        action="store_true",
+        help="decode rows that reach their exit threshold skip their remaining loops (an "
+        "approximation: docs/benchmarks.md)",
+    )
 
 
 def build_llm(args: argparse.Namespace, progress: bool = True):
@@ -63,6 +78,9 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
         progress=progress,
         deterministic=args.deterministic,
         linear=args.linear,
+        exit_at_step=args.exit_at_step,
+        exit_threshold=args.exit_threshold,
+        adaptive_depth=args.adaptive_depth,
     )
     print(f"{llm.driver.label}: {llm.plan.describe()}", file=sys.stderr)
     print(llm.kv_summary, file=sys.stderr)
@@ -115,7 +133,9 @@ def cmd_toy_checkpoint(args: argparse.Namespace) -> int:
     from runtime_glue.toy import preset_config, write_checkpoint
 
     cfg = preset_config(args.preset, total_ut_steps=args.loops)
-    path = write_checkpoint(args.dir, cfg, seed=args.seed, shards=args.shards)
+    path = write_checkpoint(
+        args.dir, cfg, seed=args.seed, shards=args.shards, gate_bias=args.gate_bias
+    )
     print(f"wrote a random {args.preset} Ouro checkpoint to {path}")
     return 0
 
@@ -153,6 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "attention_backend": llm.model.backend.name,
                     "prompt_token_ids": list(out.prompt_token_ids),
                     "token_ids": list(out.token_ids),
+                    "exit_steps": list(out.exit_steps),
                     "text": out.text,
                     "finish_reason": out.finish_reason,
                     "elapsed_s": round(elapsed, 4),
@@ -160,14 +181,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 }
             )
         )
+    elif args.show_depth:
+        print(show_depth(llm.tokenizer, out.token_ids, out.exit_steps))
     else:
         print(out.text)
     return 0
 
 
+def show_depth(tokenizer, token_ids, exit_steps) -> str:
+    """The text with each token's depth (loops run, 1-based) after it: ``Hello[2] world[4]``."""
+    pieces = [
+        f"{tokenizer.decode([t], skip_special_tokens=True)}[{step + 1}]"
+        for t, step in zip(token_ids, exit_steps, strict=True)
+    ]
+    return "".join(pieces)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job without a server: generate from the default (or given) checkpoint."""
     args.prompt_ids, args.temperature, args.seed, args.json = None, 0.0, None, False
+    args.show_depth = False
     args.ignore_eos = True
     print(f"prompt: {args.prompt!r}")
     return cmd_generate(args)
@@ -361,6 +394,12 @@ def _add_toy_checkpoint(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loops", type=int, default=4, help="total_ut_steps")
     p.add_argument("--shards", type=int, default=1)
+    p.add_argument(
+        "--gate-bias",
+        type=float,
+        default=0.0,
+        help="the exit gate's bias: higher, earlier exits (rlt-hal bench adaptive)",
+    )
     p.set_defaults(func=cmd_toy_checkpoint)
 
 
@@ -375,6 +414,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--show-depth", action="store_true", help="print each token with the loops it ran"
+    )
     p.set_defaults(func=cmd_generate)
 
 

@@ -27,6 +27,9 @@ class OuroConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "bfloat16"
+    # The exit defaults Ouro's config.json may carry (Ouro-1.4B's: threshold 1.0).
+    early_exit_step: int | None = None
+    early_exit_threshold: float | None = None
 
     @property
     def num_planes(self) -> int:
@@ -57,6 +60,8 @@ class OuroConfig:
                 eos_token_ids=_as_ids(raw.get("eos_token_id")),
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+                early_exit_step=_optional(raw.get("early_exit_step"), int),
+                early_exit_threshold=_optional(raw.get("early_exit_threshold"), float),
             )
         except KeyError as exc:
             raise ValueError(f"{source}: required field {exc.args[0]!r} is missing") from None
@@ -98,6 +103,13 @@ class OuroConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"{source}: head_dim must be even for RoPE, got {self.head_dim}")
+        step, threshold = self.early_exit_step, self.early_exit_threshold
+        if step is not None and not 0 <= step < self.total_ut_steps:
+            raise ValueError(
+                f"{source}: early_exit_step must be in [0, {self.total_ut_steps}), got {step}"
+            )
+        if threshold is not None and not 0 < threshold <= 1:
+            raise ValueError(f"{source}: early_exit_threshold must be in (0, 1], got {threshold}")
         if self.torch_dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"{source}: torch_dtype {self.torch_dtype!r} is not supported; "
@@ -119,7 +131,8 @@ class OuroConfig:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "total_ut_steps": self.total_ut_steps,
-            "early_exit_threshold": 1.0,
+            "early_exit_step": self.early_exit_step,
+            "early_exit_threshold": self.early_exit_threshold,
             "rope_theta": self.rope_theta,
             "rope_scaling": None,
             "rms_norm_eps": self.rms_norm_eps,
@@ -139,6 +152,10 @@ class OuroConfig:
 def _rope_theta(raw: dict[str, Any]) -> float:
     params = raw.get("rope_parameters") or {}
     return params.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+
+
+def _optional(value: Any, kind):
+    return None if value is None else kind(value)
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

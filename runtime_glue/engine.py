@@ -20,6 +20,7 @@ import torch
 from hal.interfaces import Device
 from hal.types import AttentionMetadata
 from runtime_glue.detokenizer import IncrementalDetokenizer
+from runtime_glue.exits import ExitMode
 from runtime_glue.kv_manager import BlockAllocator
 from runtime_glue.model import OuroModel, StepInputs
 from runtime_glue.request import Request, RequestOutput, Status
@@ -84,11 +85,19 @@ class Engine:
     def pool_tokens(self) -> int:
         return self.allocator.num_blocks * self.allocator.block_size
 
-    def validate(self, prompt_token_ids: list[int], max_tokens: int) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that could never run here ("never", not
         "not now"). Every entry point (engine, LLM, server) checks through this one method."""
+        max_tokens = params.max_tokens
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
+        loops = self.model.cfg.total_ut_steps
+        if params.exit_at_step is not None and not 0 <= params.exit_at_step < loops:
+            raise InvalidRequest(
+                f"exit_at_step must be in [0, {loops}) (the model runs {loops} loops), "
+                f"got {params.exit_at_step}",
+                "exit_at_step",
+            )
         vocab = self.model.cfg.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -129,7 +138,7 @@ class Engine:
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
-        self.validate(prompt_token_ids, params.max_tokens)
+        self.validate(prompt_token_ids, params)
         req = Request(
             request_id,
             [int(t) for t in prompt_token_ids],
@@ -142,6 +151,7 @@ class Engine:
             req.generator = torch.Generator().manual_seed(seed)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        req.exit_mode = ExitMode.of(params, self.model.plan.exit_defaults)
         self.requests[request_id] = req
         self.waiting.append(req)
 
@@ -242,7 +252,17 @@ class Engine:
         meta, (ids_t, pos_t, rows_t) = meta.to(
             self.device.torch_device, *host, pin=self.device.pin_memory
         )
-        inputs = StepInputs(ids_t, pos_t, meta, rows_t, prompt_rows, prompt_samples, max(positions))
+        inputs = StepInputs(
+            ids_t,
+            pos_t,
+            meta,
+            rows_t,
+            prompt_rows,
+            prompt_samples,
+            max(positions),
+            tuple(r.exit_mode for r in sampled),
+            tuple(rows),
+        )
         return inputs, sampled
 
     # -- the step --------------------------------------------------------------------------
@@ -255,9 +275,9 @@ class Engine:
             return []
         try:
             inputs, sampled = self._build_step(plan)
-            logits = self.model.forward(inputs)  # [R, vocab] on the device
+            logits, exits = self.model.forward(inputs)  # [R, vocab], [R] on the device
             fence = self.device.record_fence()
-            tokens, host_logits = self._sample(logits, sampled)
+            tokens, exit_steps, host_logits = self._sample(logits, exits, sampled)
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("step %d failed", self.num_steps)
             self.device.synchronize()  # nothing of the step may still be using its pages
@@ -275,6 +295,7 @@ class Engine:
                 assert host_logits is not None
                 req.logits.append(host_logits[i].clone())
             req.output_ids.append(token)
+            req.exit_steps.append(exit_steps[i])
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             self.stats["generated_tokens"] += 1
@@ -283,15 +304,18 @@ class Engine:
         return outputs
 
     def _sample(
-        self, logits: torch.Tensor, sampled: list[Request]
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """The step's tokens, with the step's one device-to-host transfer: the greedy picks
-        (argmax on the device) when that is all the step needs, else the logits (float32),
-        sampled on the host with each request's own generator."""
+        self, logits: torch.Tensor, exits: torch.Tensor, sampled: list[Request]
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """The step's tokens and exit loops, with the step's one device-to-host transfer: the
+        greedy picks (argmax on the device) when that is all the step needs, else the logits
+        (float32), sampled on the host with each request's own generator."""
         if not any(r.return_logits or not r.params.greedy for r in sampled):
-            return self.device.to_host(logits.argmax(-1)).tolist(), None
-        host = self.device.to_host(logits.float())
-        return [sample(host[i], r.params, r.generator) for i, r in enumerate(sampled)], host
+            both = self.device.to_host(torch.stack((logits.argmax(-1), exits))).tolist()
+            return both[0], both[1], None
+        packed = self.device.to_host(torch.cat((logits.float(), exits[:, None].float()), 1))
+        host, steps = packed[:, :-1], [int(s) for s in packed[:, -1].tolist()]
+        tokens = [sample(host[i], r.params, r.generator) for i, r in enumerate(sampled)]
+        return tokens, steps, host
 
     def _check_stop(self, req: Request, token: int) -> None:
         params, detok = req.params, req.detokenizer
@@ -319,4 +343,5 @@ class Engine:
             len(req.prompt_ids),
             req.arrival_time,
             req.first_token_time,
+            tuple(req.exit_steps),
         )

@@ -32,7 +32,8 @@ class CompletionOutput:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None
-    logits: torch.Tensor | None = None  # float32 [generated, vocab], final-loop logits
+    logits: torch.Tensor | None = None  # float32 [generated, vocab], the chosen loop's logits
+    exit_steps: tuple[int, ...] = ()  # the loop each generated token's logits came from
 
 
 def default_model_dir() -> Path:
@@ -82,6 +83,9 @@ class LLM:
         progress: bool = False,
         deterministic: bool | None = None,
         linear: str | None = None,
+        exit_at_step: int | None = None,
+        exit_threshold: float | None = None,
+        adaptive_depth: bool = False,
     ) -> None:
         if dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {dtype!r}")
@@ -101,7 +105,19 @@ class LLM:
         self.engine_config = EngineConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk_size)
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
         logger.info("%s", self.kv_summary)
-        self._build(resolve(self.driver, cfg, weights, attention_backend, deterministic, linear))
+        self._build(
+            resolve(
+                self.driver,
+                cfg,
+                weights,
+                attention_backend,
+                deterministic,
+                linear,
+                exit_at_step,
+                exit_threshold,
+                adaptive_depth,
+            )
+        )
         self._next_id = 0
 
     def _build(self, plan: ExecutionPlan) -> None:
@@ -117,12 +133,27 @@ class LLM:
             tokenizer=self.tokenizer,
         )
 
-    def variant(self, deterministic: bool | None = None, linear: str | None = None) -> LLM:
+    def variant(
+        self,
+        deterministic: bool | None = None,
+        linear: str | None = None,
+        adaptive_depth: bool | None = None,
+    ) -> LLM:
         """The same weights and KV pool under the plan these flags resolve to (benchmarks
         compare plans this way). Run one of the two at a time: they share the KV pool."""
         other = copy.copy(self)
+        defaults = self.plan.exit_defaults
+        adaptive = self.plan.adaptive_depth if adaptive_depth is None else adaptive_depth
         plan = resolve(
-            self.driver, self.config, self.weights, self.plan.attention, deterministic, linear
+            self.driver,
+            self.config,
+            self.weights,
+            self.plan.attention,
+            deterministic,
+            linear,
+            defaults.step,
+            defaults.threshold,
+            adaptive,
         )
         other._build(plan)
         return other
@@ -163,7 +194,7 @@ class LLM:
             if not ids:
                 raise InvalidRequest(f"prompt {i} is empty", "prompt")
             try:
-                self.engine.validate(ids, params.max_tokens)
+                self.engine.validate(ids, params)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"prompt {i}: {exc}", exc.param) from None
         ids_by_request = {}
@@ -187,6 +218,7 @@ class LLM:
                     req.text,
                     req.finish_reason,
                     logits,
+                    tuple(req.exit_steps),
                 )
             )
         return outputs

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hal.interfaces import Driver, KVStore
 from hal.types import AttentionMetadata
 from runtime_glue.config import OuroConfig
+from runtime_glue.exits import ExitMode, exit_pdf, threshold_steps
 from runtime_glue.plan import KINDS, OPS, ExecutionPlan, hal_op, row_function
 
 # recorder(loop, layer, op, tensor): sees intermediate tensors (used by the parity locator).
@@ -49,6 +50,8 @@ class StepInputs:
     prompt_rows: int  # rows [0, prompt_rows) are prompt positions, the rest generated ones
     prompt_samples: int  # sample_rows[:prompt_samples] are prompt rows
     max_position: int  # the largest of positions (known on the host: no device read)
+    exit_modes: tuple[ExitMode, ...] = ()  # per sampled row; () means the last loop for all
+    host_sample_rows: tuple[int, ...] = ()  # sample_rows, on the host
 
 
 @attrs.frozen
@@ -137,11 +140,8 @@ class OuroModel:
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
         self.lm_head = weights["lm_head.weight"]
-        # Loaded and validated, unused in fixed-loop mode (adaptive exit is out of scope).
-        self.early_exit_gate = (
-            weights["model.early_exit_gate.weight"],
-            weights["model.early_exit_gate.bias"],
-        )
+        self.gate_weight = weights["model.early_exit_gate.weight"]  # [1, H]
+        self.gate_bias = weights["model.early_exit_gate.bias"]  # [1]
         self.layers = [
             LayerWeights.from_checkpoint(weights, i) for i in range(cfg.num_hidden_layers)
         ]
@@ -218,16 +218,172 @@ class OuroModel:
         return h
 
     @torch.inference_mode()
-    def forward(self, step: StepInputs) -> torch.Tensor:
-        """Returns the final loop's logits ``[R, vocab]`` (bf16) for ``step.sample_rows``."""
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen loops' logits ``[R, vocab]`` (bf16) for ``step.sample_rows``, and the loop
+        each row's logits came from (``[R]`` int64), both on the device."""
         split = self.plan.split
         rows = RowOps(self.kernels, step.prompt_rows if split else None)
         h = F.embedding(step.input_ids, self.embed)  # [N, H]
         cos, sin = self.rope(step.positions, step.max_position)
-        eps = self.cfg.rms_norm_eps
-        for t in range(self.cfg.total_ut_steps):
-            for li in range(self.cfg.num_hidden_layers):
-                h = self.layer(t, li, h, cos, sin, step.attention, rows)
-            h = rows("rms_norm", h, self.norm, eps)
-        sampled = RowOps(self.kernels, step.prompt_samples if split else None)
-        return sampled("lm_head", h.index_select(0, step.sample_rows), self.lm_head)  # [R, V]
+        eps, T = self.cfg.rms_norm_eps, self.cfg.total_ut_steps
+        modes = step.exit_modes or (ExitMode(),) * step.sample_rows.shape[0]
+        gated = any(m.kind in ("threshold", "weighted") for m in modes)
+        early = Adaptive.start(self, step, modes) if self.plan.adaptive_depth else None
+        hs: list[torch.Tensor] = []  # h_t of the sampled rows, per loop
+        gates: list[torch.Tensor] = []
+        meta = step.attention
+        for t in range(T):
+            if h.shape[0]:  # adaptive depth may have sent every row home
+                for li in range(self.cfg.num_hidden_layers):
+                    h = self.layer(t, li, h, cos, sin, meta, rows)
+                h = rows("rms_norm", h, self.norm, eps)
+            if early is not None and t < T - 1:
+                h, cos, sin, meta = early.after_loop(t, h, cos, sin, meta)
+            sampled_h = (
+                early.sampled(h) if early is not None else h.index_select(0, step.sample_rows)
+            )
+            hs.append(sampled_h)
+            if gated:
+                gates.append(self._gate(h, sampled_h, step, per_row=early is not None))
+        return self._exit_logits(hs, gates, step, modes, early)
+
+    def _sampled_ops(self, step: StepInputs) -> RowOps:
+        return RowOps(self.kernels, step.prompt_samples if self.plan.split else None)
+
+    def _gate(self, h, sampled_h, step: StepInputs, per_row: bool = False) -> torch.Tensor:
+        """One loop's gate values: of every row of the step in HF-exact mode (the shapes HF
+        computes them in: all positions, ``F.linear`` with its bias), of the sampled rows
+        through the plan's kernel in deterministic mode or with adaptive depth."""
+        if self.plan.deterministic or per_row:
+            g = self._sampled_ops(step)("exit_gate", sampled_h, self.gate_weight)
+            return (g + self.gate_bias)[:, 0]  # [R]
+        return F.linear(h, self.gate_weight, self.gate_bias)[:, 0]  # [N]
+
+    def _pdf(self, gates: list[torch.Tensor], step: StepInputs) -> torch.Tensor:
+        """The exit distribution of each sampled row ``[R, T]``."""
+        stacked = torch.stack(gates)  # [T, N] or [T, R]
+        if stacked.shape[1] != len(step.host_sample_rows):  # all rows, as HF, then the sampled
+            return exit_pdf(stacked).index_select(0, step.sample_rows)
+        # One row at a time: every call has the same shape, whatever the step holds.
+        return torch.cat([exit_pdf(stacked[:, r : r + 1]) for r in range(stacked.shape[1])])
+
+    def _exit_logits(self, hs, gates, step: StepInputs, modes, early):
+        T, R = len(hs), len(modes)
+        device = hs[0].device
+        chosen = torch.full((R,), T - 1, dtype=torch.int64, device=device)
+        pdf = self._pdf(gates, step) if gates else None
+        for r, mode in enumerate(modes):
+            if mode.kind == "step":
+                chosen[r] = mode.step
+        for q in {m.threshold for m in modes if m.kind == "threshold"}:
+            rows_q = [r for r, m in enumerate(modes) if m.kind == "threshold" and m.threshold == q]
+            picked = torch.tensor(rows_q, device=device)
+            assert pdf is not None
+            chosen.index_copy_(0, picked, threshold_steps(pdf.index_select(0, picked), q))
+        if early is not None:
+            chosen = early.exit_steps(chosen)
+        stacked = torch.stack(hs)  # [T, R, H]
+        selected = stacked[chosen, torch.arange(R, device=device)]  # [R, H]
+        logits = self._sampled_ops(step)("lm_head", selected, self.lm_head)  # [R, V]
+        weighted = [r for r, m in enumerate(modes) if m.kind == "weighted"]
+        if weighted:
+            assert pdf is not None
+            idx = torch.tensor(weighted, device=device)
+            ops = RowOps(self.kernels, sum(r < step.prompt_samples for r in weighted))
+            expected: torch.Tensor | None = None
+            for t in range(T):
+                step_logits = ops("lm_head", stacked[t].index_select(0, idx), self.lm_head)
+                weight = pdf.index_select(0, idx)[:, t : t + 1].to(step_logits.dtype)
+                term = step_logits * weight
+                expected = term if expected is None else expected + term
+            assert expected is not None
+            logits.index_copy_(0, idx, expected)
+        return logits, chosen
+
+
+class Adaptive:
+    """Adaptive depth, for one step: a decode row whose cumulative exit probability reaches its
+    threshold after loop ``t`` leaves the batch, and its later loops are not run.
+
+    The planes of the loops it skipped still need its K/V, which later tokens attend to: they
+    get the K/V of its last computed loop at the same layer (plane ``t * L + l`` copied to
+    ``t' * L + l`` for every skipped ``t'``). This approximates the checkpoint's own arithmetic,
+    which runs every loop (docs/benchmarks.md measures how often tokens still agree). Deciding
+    who leaves reads the exit test back from the device once per loop.
+    """
+
+    def __init__(self, model: OuroModel, step: StepInputs, exits: dict[int, float]) -> None:
+        self.model, self.step, self.exits = model, step, exits
+        self.batch = list(range(step.input_ids.shape[0]))  # original row of each batch row
+        self.remaining: dict[int, torch.Tensor | None] = dict.fromkeys(exits)  # prod (1 - lambda)
+        self.cumulative: dict[int, torch.Tensor] = {}
+        self.exited: dict[int, tuple[int, torch.Tensor]] = {}  # sampled row -> (loop, h_t)
+
+    @classmethod
+    def start(cls, model: OuroModel, step: StepInputs, modes) -> Adaptive | None:
+        """Only decode rows (one row of a generated position, sampled) in threshold mode."""
+        meta = step.attention
+        one_row = {meta.request(q)[0] for q in range(meta.num_requests) if meta.request(q)[1] == 1}
+        exits = {
+            r: m.threshold
+            for r, m in enumerate(modes)
+            if m.kind == "threshold"
+            and r >= step.prompt_samples
+            and step.host_sample_rows[r] in one_row
+        }
+        return cls(model, step, exits) if exits else None
+
+    def after_loop(self, t: int, h, cos, sin, meta):
+        """Test the rows still in the batch after loop ``t``; drop those that exit."""
+        leaving = [r for r in self._still_in() if self._reached(r, t, h)]
+        if not leaving:
+            return h, cos, sin, meta
+        for r in leaving:
+            position = self.batch.index(self.step.host_sample_rows[r])
+            self.exited[r] = (t, h[position : position + 1])
+            self._fill_skipped_planes(t, meta, position)
+        gone = {self.step.host_sample_rows[r] for r in leaving}
+        keep = [i for i, row in enumerate(self.batch) if row not in gone]
+        starts = meta.host_query_start_loc
+        requests = [q for q in range(meta.num_requests) if self.batch[starts[q]] not in gone]
+        self.batch = [self.batch[i] for i in keep]
+        index = torch.tensor(keep, dtype=torch.int64, device=h.device)
+        return h.index_select(0, index), cos[:, index], sin[:, index], meta.select(requests)
+
+    def _still_in(self) -> list[int]:
+        return [r for r in self.exits if r not in self.exited]
+
+    def _reached(self, r: int, t: int, h: torch.Tensor) -> bool:
+        position = self.batch.index(self.step.host_sample_rows[r])
+        gate_fn = self.model.kernels["generated"]["exit_gate"]
+        g = gate_fn(h[position : position + 1], self.model.gate_weight) + self.model.gate_bias
+        lam = torch.sigmoid(g[0])  # [1], the same shape for every row
+        remaining = self.remaining[r]
+        p = lam if remaining is None else lam * remaining
+        self.remaining[r] = (1.0 - lam) if remaining is None else remaining * (1.0 - lam)
+        self.cumulative[r] = p if r not in self.cumulative else self.cumulative[r] + p
+        return bool(self.cumulative[r] >= self.exits[r])  # a read of the device, per loop
+
+    def _fill_skipped_planes(self, t: int, meta, position: int) -> None:
+        model, L = self.model, self.model.cfg.num_hidden_layers
+        slot = meta.slot_mapping[position : position + 1]
+        for li in range(L):
+            k, v = model.kv.gather(t * L + li, slot)  # [1, kv_heads, 1, d]
+            for later in range(t + 1, model.cfg.total_ut_steps):
+                model.kv.write(later * L + li, k[0].transpose(0, 1), v[0].transpose(0, 1), slot)
+
+    def sampled(self, h: torch.Tensor) -> torch.Tensor:
+        """This loop's state of each sampled row: an exited row keeps the state it exited with."""
+        parts = []
+        for r, row in enumerate(self.step.host_sample_rows):
+            if r in self.exited:
+                parts.append(self.exited[r][1])
+            else:
+                position = self.batch.index(row)
+                parts.append(h[position : position + 1])
+        return torch.cat(parts)
+
+    def exit_steps(self, chosen: torch.Tensor) -> torch.Tensor:
+        for r, (t, _) in self.exited.items():
+            chosen[r] = t
+        return chosen

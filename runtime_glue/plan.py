@@ -59,11 +59,13 @@ from hal.kernels import (
 )
 from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.config import OuroConfig
+from runtime_glue.exits import ExitMode
 
 logger = logging.getLogger(__name__)
 
 KINDS = ("prompt", "generated")
-LINEAR_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+LINEAR_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "exit_gate")
+SAMPLED_OPS = ("lm_head", "exit_gate")  # run on a step's sampled rows only
 OPS = (*LINEAR_OPS, "rms_norm", "silu_mul")
 # The largest deterministic call, fixed so that the plan never depends on engine settings (a
 # chunk size that changed a kernel or tile would change bits): prompt rows reach the GEMM
@@ -102,6 +104,8 @@ class ExecutionPlan:
     generated: tuple[tuple[str, OpChoice], ...]
     measurements: tuple[Measurement, ...] = ()
     notes: tuple[str, ...] = ()  # why: fallbacks, refused kernels, where timings came from
+    exit_defaults: ExitMode = ExitMode()  # for requests that choose no exit mode
+    adaptive_depth: bool = False  # exiting decode rows skip their remaining loops
 
     @property
     def deterministic(self) -> bool:
@@ -124,7 +128,9 @@ class ExecutionPlan:
 
         fused = "; q|k|v and gate|up stacked" if self.stacked else ""
         ops = ", ".join(f"{op} {kinds(op)}" for op in OPS)
-        return f"{self.mode} mode, {self.attention} attention; {ops}{fused}"
+        exits = f"; {self.exit_defaults.describe()} by default"
+        adaptive = ", adaptive depth" if self.adaptive_depth else ""
+        return f"{self.mode} mode, {self.attention} attention; {ops}{fused}{exits}{adaptive}"
 
     def to_json(self) -> dict:
         return {
@@ -134,6 +140,8 @@ class ExecutionPlan:
             **{kind: {op: attrs.asdict(c) for op, c in getattr(self, kind)} for kind in KINDS},
             "measurements": [attrs.asdict(m) for m in self.measurements],
             "notes": list(self.notes),
+            "exit_defaults": attrs.asdict(self.exit_defaults),
+            "adaptive_depth": self.adaptive_depth,
         }
 
 
@@ -269,6 +277,7 @@ def _model_ops(cfg: OuroConfig, weights: dict[str, torch.Tensor], device) -> dic
         "gate_up_proj": weights[p + "mlp.gate_up_proj.weight"],
         "down_proj": weights[p + "mlp.down_proj.weight"],
         "lm_head": weights["lm_head.weight"],
+        "exit_gate": weights["model.early_exit_gate.weight"],
     }
     eps = cfg.rms_norm_eps
     ops = {op: _Op(op, w.shape[1], w, eps, device) for op, w in linear.items()}
@@ -278,12 +287,12 @@ def _model_ops(cfg: OuroConfig, weights: dict[str, torch.Tensor], device) -> dic
 
 
 def _tile_max(kind: str, op: str) -> int:
-    return GENERATED_TILE if kind == "generated" or op == "lm_head" else PROMPT_TILE
+    return GENERATED_TILE if kind == "generated" or op in SAMPLED_OPS else PROMPT_TILE
 
 
 def _timing_rows(kind: str, op: str) -> tuple[int, ...]:
-    """Decode row counts for generated rows and lm_head; prefill ones for prompt rows."""
-    return (1, 8) if kind == "generated" or op == "lm_head" else (64, 256)
+    """Decode row counts for generated and sampled rows; prefill ones for prompt rows."""
+    return (1, 8) if kind == "generated" or op in SAMPLED_OPS else (64, 256)
 
 
 def _median_seconds(fn: Callable[[], object], sync: Callable[[], None]) -> float:
@@ -432,14 +441,38 @@ def resolve(
     attention: str | None = None,
     deterministic: bool | None = None,
     linear: str | None = None,
+    exit_at_step: int | None = None,
+    exit_threshold: float | None = None,
+    adaptive_depth: bool = False,
 ) -> ExecutionPlan:
     """The plan for this model on this driver.
 
     ``deterministic``: True, the mode or an error; False, HF-exact (or fast, with a ``linear``
     that is not HF-exact); None, the backend's default (the mode where the backend measured it
     cheap; off, logged, where it cannot be kept). ``linear`` names one projection kernel for
-    every projection; by default the fastest that keeps the mode.
+    every projection; by default the fastest that keeps the mode. ``exit_at_step`` and
+    ``exit_threshold`` are the exit defaults of requests that choose none (else the
+    checkpoint's); ``adaptive_depth`` lets exiting decode rows skip their remaining loops.
     """
+    exits = _exit_defaults(cfg, exit_at_step, exit_threshold)
+    return attrs.evolve(
+        _resolve_kernels(driver, cfg, weights, attention, deterministic, linear),
+        exit_defaults=exits,
+        adaptive_depth=adaptive_depth,
+    )
+
+
+def _exit_defaults(cfg: OuroConfig, step: int | None, threshold: float | None) -> ExitMode:
+    if step is not None and not 0 <= step < cfg.total_ut_steps:
+        raise ValueError(f"exit_at_step must be in [0, {cfg.total_ut_steps}), got {step}")
+    if threshold is not None and not 0 < threshold <= 1:
+        raise ValueError(f"exit_threshold must be in (0, 1], got {threshold}")
+    if step is not None or threshold is not None:
+        return ExitMode(step, threshold)
+    return ExitMode(cfg.early_exit_step, cfg.early_exit_threshold)
+
+
+def _resolve_kernels(driver, cfg, weights, attention, deterministic, linear) -> ExecutionPlan:
     backend = driver.backend(attention)
     if linear is not None:
         kernel = driver.kernel("linear", linear)

@@ -1,6 +1,15 @@
 """Ouro composed from transformers' own Llama building blocks: the tests' oracle and the
 benchmarks' baseline (the peer a user would otherwise run).
 
+The exit gate follows the checkpoint's own modeling code (Ouro's ``OuroForCausalLM``): after
+every loop the gate, an ``nn.Linear(H, 1)`` with its bias, scores every position's normed state;
+the exit distribution is built in the gate's dtype, loop by loop; a token's logits come from
+``exit_at_step``, else the first loop whose cumulative exit probability reaches
+``exit_threshold``, else the exit-weighted sum of every loop's logits when asked, else the last
+loop, and a request that asks for none gets the config's ``early_exit_step`` and
+``early_exit_threshold``. This code is written from those equations on its own: it shares
+nothing with the runtime's ``runtime_glue.exits``.
+
 LlamaRMSNorm, LlamaMLP, LlamaAttention (``eager_attention_forward``), LlamaRotaryEmbedding
 (kept in fp32) and a DynamicCache whose layer index is ``t * L + l``: one cache layer per
 (loop, layer) plane. It loads the same safetensors as the runtime, and decodes one request
@@ -102,6 +111,7 @@ class OuroReference(torch.nn.Module):
         )
         self.norm = LlamaRMSNorm(H, eps)
         self.lm_head = torch.nn.Linear(H, cfg.vocab_size, bias=False)
+        self.early_exit_gate = torch.nn.Linear(H, 1, bias=True)
         self.to(torch.bfloat16)
         # Built after the bf16 cast: a rotary module cast to bf16 rounds inv_freq.
         self.rotary = LlamaRotaryEmbedding(hf)
@@ -114,6 +124,8 @@ class OuroReference(torch.nn.Module):
             "embed_tokens.weight": state["model.embed_tokens.weight"],
             "norm.weight": state["model.norm.weight"],
             "lm_head.weight": state["lm_head.weight"],
+            "early_exit_gate.weight": state["model.early_exit_gate.weight"],
+            "early_exit_gate.bias": state["model.early_exit_gate.bias"],
         }
         for i in range(self.cfg.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -126,8 +138,16 @@ class OuroReference(torch.nn.Module):
         self.load_state_dict(mine, strict=True)
         return self
 
-    def forward_step(self, ids: torch.Tensor, start: int, cache: DynamicCache) -> torch.Tensor:
-        """ids ``[1, S]`` at positions ``start..start+S-1``; returns last-position logits."""
+    def forward_step(
+        self,
+        ids: torch.Tensor,
+        start: int,
+        cache: DynamicCache,
+        exit_rule: tuple = (None, None, False),
+    ) -> tuple[torch.Tensor, int]:
+        """ids ``[1, S]`` at positions ``start..start+S-1``; returns the last position's logits
+        (float32) under ``exit_rule = (exit_at_step, exit_threshold, weighted)``, and the loop
+        they came from."""
         cfg, s = self.cfg, ids.shape[1]
         h = self.embed_tokens(ids)  # [1, S, H]
         dev = h.device
@@ -140,6 +160,8 @@ class OuroReference(torch.nn.Module):
         mask = torch.zeros(s, kv_len, dtype=h.dtype, device=dev).masked_fill(
             ~allowed, torch.finfo(h.dtype).min
         )[None, None]
+        states: list[torch.Tensor] = []  # the normed state after each loop
+        scores: list[torch.Tensor] = []  # the gate's score of it, every position
         for t in range(cfg.total_ut_steps):
             for i in range(cfg.num_hidden_layers):
                 n = cast(torch.nn.ModuleDict, self.norms[i])
@@ -155,22 +177,69 @@ class OuroReference(torch.nn.Module):
                 m = self.mlp[i](n["post_attention_layernorm"](h))
                 h = h + n["post_attention_layernorm_2"](m)
             h = self.norm(h)
-        return self.lm_head(h[:, -1:, :])[0, -1].float()
+            states.append(h)
+            scores.append(self.early_exit_gate(h)[..., 0])  # [1, S]
+        return self._exit(states, scores, exit_rule)
+
+    def _exit(self, states, scores, exit_rule) -> tuple[torch.Tensor, int]:
+        step, threshold, weighted = exit_rule
+        loops = len(states)
+        # The exit distribution over loops, every position: l_t = sigmoid(g_t); the mass left
+        # after loop t is the product of (1 - l_j) so far; the last loop takes what is left.
+        left = torch.ones_like(scores[0])
+        per_loop = []
+        for t, g in enumerate(scores):
+            stop = torch.sigmoid(g)
+            per_loop.append(stop * left if t + 1 < loops else left)
+            left = left * (1.0 - stop)
+        probs = torch.stack(per_loop, dim=-1)  # [1, S, T]
+        if step is not None:
+            chosen = step
+        elif threshold is not None:
+            reached = (torch.cumsum(probs, dim=-1) >= threshold)[0, -1]  # the last position
+            chosen = int(reached.nonzero()[0]) if bool(reached.any()) else loops - 1
+        elif weighted:
+            parts = [
+                self.lm_head(state[:, -1:, :]) * probs[:, -1:, t : t + 1].to(state.dtype)
+                for t, state in enumerate(states)
+            ]
+            total = parts[0]
+            for part in parts[1:]:  # summed in loop order
+                total = total + part
+            return total[0, -1].float(), loops - 1
+        else:
+            chosen = loops - 1
+        return self.lm_head(states[chosen][:, -1:, :])[0, -1].float(), chosen
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int):
-        """Greedy tokens and the float32 logits each was chosen from."""
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        exit_at_step: int | None = None,
+        exit_threshold: float | None = None,
+        weighted_exit: bool = False,
+        with_exit_steps: bool = False,
+    ):
+        """Greedy tokens and the float32 logits each was chosen from (and, when asked, the loop
+        each token's logits came from). Without an exit choice, the config's defaults apply."""
+        rule = (exit_at_step, exit_threshold, weighted_exit)
+        if rule == (None, None, False):
+            rule = (self.cfg.early_exit_step, self.cfg.early_exit_threshold, False)
         cache = DynamicCache()
         dev = self.lm_head.weight.device
-        logits = self.forward_step(torch.tensor([prompt_ids], device=dev), 0, cache)
-        tokens, all_logits = [], []
+        logits, loop = self.forward_step(torch.tensor([prompt_ids], device=dev), 0, cache, rule)
+        tokens, all_logits, loops = [], [], []
         pos = len(prompt_ids)
         for _ in range(max_new_tokens):
             tok = int(torch.argmax(logits))
             tokens.append(tok)
             all_logits.append(logits)
+            loops.append(loop)
             if len(tokens) == max_new_tokens:
                 break
-            logits = self.forward_step(torch.tensor([[tok]], device=dev), pos, cache)
+            logits, loop = self.forward_step(torch.tensor([[tok]], device=dev), pos, cache, rule)
             pos += 1
+        if with_exit_steps:
+            return tokens, torch.stack(all_logits).cpu(), loops
         return tokens, torch.stack(all_logits).cpu()

@@ -9,6 +9,7 @@ import torch
 
 from hal.interfaces import Fence
 from runtime_glue.detokenizer import IncrementalDetokenizer
+from runtime_glue.exits import ExitMode
 from runtime_glue.sampling import SamplingParams
 
 
@@ -34,6 +35,8 @@ class Request:
     logits: list[torch.Tensor] = attrs.field(factory=list)
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    exit_mode: ExitMode = attrs.field(factory=ExitMode)
+    exit_steps: list[int] = attrs.field(factory=list)  # the loop each output token came from
     last_fence: Fence | None = None  # of the last step that read this request's pages
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -72,3 +75,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    exit_steps: tuple[int, ...] = ()

@@ -22,6 +22,11 @@ class SamplingParams:
         default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s or ())
     )
     ignore_eos: bool = False
+    # Ouro's exit gate (runtime_glue.exits): which loop a token's logits come from. Unset, the
+    # server's or the checkpoint's defaults apply; set, the request's own choice wins.
+    exit_at_step: int | None = None
+    exit_threshold: float | None = None
+    weighted_exit: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:
@@ -32,6 +37,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.exit_at_step is not None and self.exit_at_step < 0:
+            raise ValueError(f"exit_at_step must be >= 0, got {self.exit_at_step}")
+        if self.exit_threshold is not None and not 0 < self.exit_threshold <= 1:
+            raise ValueError(f"exit_threshold must be in (0, 1], got {self.exit_threshold}")
 
     @property
     def greedy(self) -> bool:

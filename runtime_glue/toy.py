@@ -83,6 +83,7 @@ def preset_config(preset: str, total_ut_steps: int = 4, **overrides) -> OuroConf
         "total_ut_steps": total_ut_steps,
         "eos_token_ids": (0, 2),
         "bos_token_id": 1,
+        "early_exit_threshold": 1.0,  # as Ouro-1.4B's config.json has it
         **overrides,
     }
     return OuroConfig(**values)
@@ -107,7 +108,9 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
     return tok
 
 
-def random_weights(cfg: OuroConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_weights(
+    cfg: OuroConfig, seed: int = 0, gate_bias: float = 0.0
+) -> dict[str, torch.Tensor]:
     """Random bf16 weights that keep greedy decoding varied.
 
     Unit-scale embeddings; 1/sqrt(fan_in) projections with sharper q/k (peaked attention) and
@@ -125,7 +128,7 @@ def random_weights(cfg: OuroConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         elif name == "model.embed_tokens.weight":
             w = torch.randn(shape, generator=gen)
         elif name == "model.early_exit_gate.bias":
-            w = torch.zeros(shape)
+            w = torch.full(shape, gate_bias)  # higher: earlier exits
         else:
             gain = _GAINS.get(name.rsplit(".", 2)[-2], 1.0)
             w = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[-1]))
@@ -136,12 +139,15 @@ def random_weights(cfg: OuroConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 _GAINS = {"q_proj": 2.0, "k_proj": 2.0, "lm_head": 4.0}
 
 
-def write_checkpoint(out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards: int = 1) -> Path:
-    """Write config.json, safetensors (``shards`` > 1: with an index) and the tokenizer."""
+def write_checkpoint(
+    out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards: int = 1, gate_bias: float = 0.0
+) -> Path:
+    """Write config.json, safetensors (``shards`` > 1: with an index) and the tokenizer.
+    ``gate_bias`` sets the exit gate's bias: the higher, the earlier tokens exit."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    weights = random_weights(cfg, seed)
+    weights = random_weights(cfg, seed, gate_bias)
     if shards <= 1:
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     else:

@@ -266,6 +266,63 @@ def test_a_body_over_the_size_limit_gets_an_openai_413_and_the_server_keeps_serv
     assert _post(server, "/v1/completions", GOOD).status_code == 200
 
 
+def test_exit_fields_choose_the_loop_and_exit_steps_come_back_only_when_asked(server, client):
+    extra = {"ignore_eos": True, "exit_at_step": 1}
+    plain = client.completions.create(
+        model="toy", prompt=PROMPT, max_tokens=5, temperature=0, extra_body=extra
+    )
+    assert "exit_steps" not in plain.choices[0].model_extra
+    asked = client.completions.create(
+        model="toy",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        extra_body={**extra, "return_exit_steps": True},
+    )
+    assert asked.choices[0].model_extra["exit_steps"] == [1] * 5
+    assert asked.choices[0].text == plain.choices[0].text
+    chunks = list(
+        client.chat.completions.create(
+            model="toy",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            extra_body={"ignore_eos": True, "exit_threshold": 0.5, "return_exit_steps": True},
+        )
+    )
+    steps = [s for c in chunks if c.choices for s in c.choices[0].model_extra.get("exit_steps", [])]
+    assert len(steps) == 5 and all(0 <= s < 4 for s in steps)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("exit_at_step", 4, "exit_at_step must be in [0, 4)"),
+        ("exit_at_step", -1, "greater than or equal to 0"),
+        ("exit_threshold", 1.5, "less than or equal to 1"),
+        ("exit_threshold", 0, "greater than 0"),
+    ],
+)
+def test_out_of_range_exit_fields_are_a_400_naming_the_field(server, field, value, message):
+    r = _post(server, "/v1/completions", {**GOOD, field: value})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == field and message in err["message"]
+
+
+def test_metrics_count_the_exit_loop_of_every_generated_token(server, client):
+    before = server.metrics()["rlt_hal_exit_step_count"]
+    client.completions.create(
+        model="toy",
+        prompt="depth",
+        max_tokens=4,
+        extra_body={"ignore_eos": True, "exit_at_step": 2},
+    )
+    after = server.metrics()
+    assert after["rlt_hal_exit_step_count"] == before + 4
+    assert after['rlt_hal_exit_step_bucket{le="1.0"}'] < after['rlt_hal_exit_step_bucket{le="2.0"}']
+
+
 def test_an_api_key_is_required_when_configured(tiny_ckpt):
     proc = ServerProcess(tiny_ckpt, "--api-key", "s3cret")
     try:

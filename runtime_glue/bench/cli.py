@@ -58,6 +58,16 @@ def add_parsers(sub) -> None:
     pl.add_argument("--runs", type=int, default=3)
     pl.add_argument("--concurrency", type=int, default=8)
     pl.set_defaults(func=cmd_plans)
+    ad = kinds.add_parser(
+        "adaptive", help="adaptive depth against full compute: speed, depth and agreement"
+    )
+    _model_args(ad)
+    ad.add_argument("--exit-threshold", type=float, default=0.5)
+    ad.add_argument("--input-len", type=int, default=64)
+    ad.add_argument("--output-len", type=int, default=32)
+    ad.add_argument("--runs", type=int, default=3)
+    ad.add_argument("--concurrency", type=int, default=8)
+    ad.set_defaults(func=cmd_adaptive)
     dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
     dt.add_argument("--model", help="a checkpoint directory (its tokenizer)")
     dt.add_argument("--preset", choices=list(PRESETS), default="small")
@@ -76,7 +86,7 @@ def add_parsers(sub) -> None:
     srv.set_defaults(func=cmd_serve)
 
 
-def _llm(args, tokens: int):
+def _llm(args, tokens: int, **options):
     from runtime_glue.llm import LLM
     from runtime_glue.toy import cached_checkpoint
 
@@ -91,6 +101,7 @@ def _llm(args, tokens: int):
         max_num_batched_tokens=max(8192, tokens),
         deterministic=args.deterministic,
         linear=args.linear,
+        **options,
     )
 
 
@@ -154,6 +165,16 @@ def cmd_plans(args) -> int:
     )
     report["preset"] = None if args.model else args.preset
     return _emit(args, report, markdown_plans(report))
+
+
+def cmd_adaptive(args) -> int:
+    from runtime_glue.bench.engine_bench import adaptive_depth, markdown_adaptive
+
+    tokens = args.concurrency * (args.input_len + args.output_len + args.block_size)
+    llm = _llm(args, tokens, exit_threshold=args.exit_threshold)
+    report = adaptive_depth(llm, args.input_len, args.output_len, args.runs, args.concurrency)
+    report["preset"] = None if args.model else args.preset
+    return _emit(args, report, markdown_adaptive(report))
 
 
 def cmd_detokenize(args) -> int:

@@ -89,7 +89,7 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         try:
-            self.llm.engine.validate(prompt_ids, params.max_tokens)
+            self.llm.engine.validate(prompt_ids, params)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         return params

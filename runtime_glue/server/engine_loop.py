@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.metrics = Metrics(engine.allocator.num_blocks)
+        self.metrics = Metrics(engine.allocator.num_blocks, engine.model.cfg.total_ut_steps)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -94,6 +94,8 @@ class EngineLoop:
 
     def _deliver(self, out: RequestOutput) -> None:
         self.metrics.generated_tokens.inc(len(out.new_token_ids))
+        for step in out.exit_steps[len(out.exit_steps) - len(out.new_token_ids) :]:
+            self.metrics.exit_step.observe(step)
         if out.finished:
             self._finish_metrics(out.finish_reason or "stop", out)
         self._send(out.request_id, out)

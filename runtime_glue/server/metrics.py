@@ -21,7 +21,7 @@ END_STATES = ("stop", "length", "abort", "error")
 class Metrics:
     """One server's metrics, in a registry of their own (prometheus_client is thread-safe)."""
 
-    def __init__(self, total_blocks: int) -> None:
+    def __init__(self, total_blocks: int, loops: int = 4) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -53,6 +53,13 @@ class Metrics:
             "rlt_hal_time_per_output_token_seconds",
             "Mean time per output token after the first, per request",
             buckets=TPOT_BUCKETS,
+            registry=reg,
+        )
+
+        self.exit_step = Histogram(
+            "rlt_hal_exit_step",
+            "The loop (0-based) each generated token's logits came from",
+            buckets=tuple(float(t) for t in range(loops)),
             registry=reg,
         )
 

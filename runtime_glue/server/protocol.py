@@ -49,6 +49,12 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
+    # Ouro's exit gate (runtime_glue.exits), as extra fields (vLLM's convention for fields of
+    # one engine): which loop a token's logits come from, and whether to return each token's.
+    exit_at_step: Annotated[int, Field(ge=0)] | None = None
+    exit_threshold: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    weighted_exit: bool = False
+    return_exit_steps: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -84,6 +90,9 @@ class _SamplingFields(BaseModel):
             seed=self.seed,
             stop=self.stop or (),
             ignore_eos=self.ignore_eos,
+            exit_at_step=self.exit_at_step,
+            exit_threshold=self.exit_threshold,
+            weighted_exit=self.weighted_exit,
         )
 
 

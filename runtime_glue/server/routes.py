@@ -69,21 +69,18 @@ async def _respond(server, body, ids, params, request, rid: str, shape: _Shape):
             raise ApiError(499, "client disconnected")
         if last.finish_reason == "error":
             raise ApiError(500, f"generation failed: {last.error}", "server_error")
-        return {
-            **head,
-            "object": shape.object,
-            "choices": [shape.choice(last.text, last.finish_reason)],
-            "usage": _usage(last),
-        }
+        choice = shape.choice(last.text, last.finish_reason)
+        if body.return_exit_steps:
+            choice["exit_steps"] = list(last.exit_steps)
+        return {**head, "object": shape.object, "choices": [choice], "usage": _usage(last)}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(
-        _stream(outputs, head, shape, include_usage), media_type="text/event-stream"
-    )
+    stream = _stream(outputs, head, shape, include_usage, body.return_exit_steps)
+    return StreamingResponse(stream, media_type="text/event-stream")
 
 
-async def _stream(outputs, head: dict, shape: _Shape, include_usage: bool):
+async def _stream(outputs, head: dict, shape: _Shape, include_usage: bool, exit_steps: bool):
     chunk = {**head, "object": shape.chunk_object}
-    sent, last = "", None
+    sent, last, steps_sent = "", None, 0
     if shape.chat:
         yield _sse({**chunk, "choices": [shape.delta("", None, first=True)]})
     try:
@@ -97,7 +94,11 @@ async def _stream(outputs, head: dict, shape: _Shape, include_usage: bool):
             sent = text if text.startswith(sent) else sent
             if delta or out.finished:
                 reason = out.finish_reason if out.finished else None
-                yield _sse({**chunk, "choices": [shape.delta(delta, reason)]})
+                choice = shape.delta(delta, reason)
+                if exit_steps:  # the tokens' loops since the last chunk
+                    choice["exit_steps"] = list(out.exit_steps[steps_sent:])
+                    steps_sent = len(out.exit_steps)
+                yield _sse({**chunk, "choices": [choice]})
     except ApiError as exc:
         yield _sse(error_body(str(exc), exc.type, exc.param, exc.code))
     if include_usage and last is not None:
