@@ -68,7 +68,7 @@ def test_changing_a_later_token_never_changes_earlier_logits(tiny_ckpt, driver_n
     def all_logits(ids: list[int]) -> torch.Tensor:
         meta = AttentionMetadata.build(16, [(n, 0, [0, 1])])
         rows = torch.arange(n)
-        return model.forward(StepInputs(torch.tensor(ids), rows, meta, rows, n, n, n - 1))
+        return model.forward(StepInputs(torch.tensor(ids), rows, meta, rows, n, n, n - 1))[0]
 
     a = prompt_of(n, seed=5)
     b = list(a)
