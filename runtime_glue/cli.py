@@ -58,6 +58,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode rows that reach their exit threshold skip their remaining loops (an "
         "approximation: docs/benchmarks.md)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="share the KV of prompt blocks already computed (default: on in deterministic "
+        "mode, where a hit gives exactly the bits of recomputing; off in HF-exact mode, where "
+        "the bits may differ within the engine's tolerance)",
+    )
 
 
 def build_llm(args: argparse.Namespace, progress: bool = True):
@@ -81,8 +88,10 @@ def build_llm(args: argparse.Namespace, progress: bool = True):
         exit_at_step=args.exit_at_step,
         exit_threshold=args.exit_threshold,
         adaptive_depth=args.adaptive_depth,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
-    print(f"{llm.driver.label}: {llm.plan.describe()}", file=sys.stderr)
+    caching = "on" if llm.engine.config.enable_prefix_caching else "off"
+    print(f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}", file=sys.stderr)
     print(llm.kv_summary, file=sys.stderr)
     return llm
 

@@ -2,9 +2,14 @@
 
 Each ``step()`` batches one decode token for every running request that finished its prompt
 with the next prompt chunk of requests still in prefill, under the ``max_num_seqs`` and
-``max_num_batched_tokens`` budgets, runs the model once and samples. Admission reserves the
-pages a request can ever need (prompt + max_tokens), so a running request never waits for
-memory and never needs preempting.
+``max_num_batched_tokens`` budgets, runs the model once and samples.
+
+Pages are taken as they are needed. Admission takes the pages of the prompt that the prefix
+cache does not already hold (``kv_manager``); a request takes another page when its tokens
+cross into it. When a running request needs a page and none can be had, the newest running
+request is preempted: its pages are released and it waits at the head of the queue, to be
+recomputed (its prompt, then its generated tokens as generated positions, so that in
+deterministic mode it then produces exactly the tokens it would have).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 8192
     prefill_chunk_size: int | None = None  # None: full prefill
+    enable_prefix_caching: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -65,8 +71,13 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         tokenizer=None,
         max_model_len: int | None = None,
+        prefix_salt: bytes = b"",
     ) -> None:
+        """``prefix_salt``: what besides the tokens decides a block's K/V (the checkpoint, the
+        execution plan); prefix-cache hashes start from it, so engines sharing one allocator
+        under other plans never share a block."""
         self.model = model
+        self.prefix_salt = prefix_salt
         self.device = device
         self.allocator = allocator
         self.config = config or EngineConfig()
@@ -77,7 +88,15 @@ class Engine:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.stats = {"finished": 0, "aborted": 0, "failed": 0, "generated_tokens": 0}
+        self.stats = {
+            "finished": 0,
+            "aborted": 0,
+            "failed": 0,
+            "generated_tokens": 0,
+            "preemptions": 0,
+            "prefix_cache_queries": 0,  # prompt tokens looked up in the prefix cache
+            "prefix_cache_hits": 0,  # of those, tokens found there
+        }
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -151,6 +170,9 @@ class Engine:
             req.generator = torch.Generator().manual_seed(seed)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if self.config.enable_prefix_caching:
+            salt = self.prefix_salt + b"|" + (params.cache_salt or "").encode()
+            req.block_hashes = self.allocator.block_hashes(req.prompt_ids, salt)
         req.exit_mode = ExitMode.of(params, self.model.plan.exit_defaults)
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -166,6 +188,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def audit_pages(self) -> None:
+        """Check the allocator against the running requests' block tables (tests, debugging)."""
+        self.allocator.audit([req.blocks for req in self.running])
 
     @property
     def num_free_blocks(self) -> int:
@@ -187,44 +213,106 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Request, int]]:
         budget = self.config.max_num_batched_tokens
-        chunk = self.config.prefill_chunk_size
         plan: list[tuple[Request, int]] = []
-        for req in self.running:
-            remaining = len(req.prompt_ids) - req.num_computed
-            if remaining <= 0:
-                n = 1
-            elif chunk is None:
-                n = remaining if remaining <= budget else 0
-            else:
-                n = min(remaining, chunk, budget)
-            if n > 0:
+        preemptions = self.stats["preemptions"]
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted for an older request in this loop
+            n = self._chunk(req, budget)
+            if n and self._pages_for(req, req.num_computed + n):
                 plan.append((req, n))
                 budget -= n
-        self.allocator.reclaim()
+        if self.stats["preemptions"] != preemptions:
+            return plan  # the pool ran dry: admit no one this step
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            prompt_len = len(req.prompt_ids)
-            n = prompt_len if chunk is None else min(prompt_len, chunk, budget)
-            if n > budget:
-                break
-            blocks = self.allocator.allocate(
-                self.allocator.blocks_for(prompt_len + req.params.max_tokens)
-            )
-            if blocks is None:
+            if not self._admit(req):
                 break  # FCFS: later requests wait behind this one
-            self.waiting.popleft()
-            self._admit(req, blocks)
+            n = self._chunk(req, budget)
+            if not n:
+                break
             plan.append((req, n))
             budget -= n
         # Prompt positions first: the execution plan may run them on other kernels than
         # generated positions (runtime_glue.plan), and a step's prompt rows form one block.
+        plan = [(r, n) for r, n in plan if r.status is Status.RUNNING]
         plan.sort(key=lambda entry: not entry[0].in_prefill)
         return plan
 
-    def _admit(self, req: Request, blocks: list[int]) -> None:
-        req.blocks = blocks
+    def _chunk(self, req: Request, budget: int) -> int:
+        """How many of ``req``'s pending tokens this step computes (0: none fits). A chunk
+        never mixes prompt and generated positions: they may run on other kernels."""
+        start, chunk = req.num_computed, self.config.prefill_chunk_size
+        end = req.num_tokens if start >= len(req.prompt_ids) else len(req.prompt_ids)
+        pending = end - start
+        if chunk is None and req.in_prefill:
+            return pending if pending <= budget else 0  # full prefill, or not this step
+        return min(pending, chunk or pending, budget)
+
+    def _pages_for(self, req: Request, tokens: int) -> bool:
+        """Give ``req`` pages for its first ``tokens`` positions, preempting the newest running
+        requests while none can be had; False if ``req`` itself was preempted."""
+        need = self.allocator.blocks_for(tokens) - len(req.blocks)
+        while need > 0:
+            pages = self.allocator.allocate(need)
+            if pages is None and self.allocator.num_pending:
+                self.allocator.reclaim(wait=True)  # a finished request's pages, still fenced
+                pages = self.allocator.allocate(need)
+            if pages is not None:
+                req.blocks += pages
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Release ``req``'s pages and queue it first, to be recomputed from its cached prefix."""
+        self.running.remove(req)
+        self.allocator.free_after(req.blocks, req.last_fence)
+        req.blocks, req.num_computed, req.registered = [], 0, 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+
+    def _admit(self, req: Request) -> bool:
+        """Start ``req`` with the pages of its prompt (and of its generated tokens, when it was
+        preempted): cached ones shared, the others fresh. False if they cannot be had now, or
+        only by leaving less than a page for each running request to grow into."""
+        cached: list[int] = []
+        if self.config.enable_prefix_caching:
+            # The last prompt token is always computed: its logits give the first new token.
+            usable = (len(req.prompt_ids) - 1) // self.allocator.block_size
+            cached = self.allocator.cached_prefix(req.block_hashes[:usable])
+            self.stats["prefix_cache_queries"] += usable * self.allocator.block_size
+        need = self.allocator.blocks_for(req.num_tokens) - len(cached)
+        self.allocator.share(cached)  # before allocating, so none of them is evicted
+        fresh = None
+        self.allocator.reclaim()
+        if need + len(self.running) <= self.allocator.num_free:
+            fresh = self.allocator.allocate(need)
+        if fresh is None:
+            if cached:
+                self.allocator.free_after(cached, None)
+            return False
+        self.waiting.popleft()
+        req.blocks = cached + fresh
+        req.num_computed = req.registered = len(cached) * self.allocator.block_size
+        self.stats["prefix_cache_hits"] += req.num_computed
         req.status = Status.RUNNING
         self.running.append(req)
+        return True
+
+    def _register_full_prompt_blocks(self, req: Request) -> None:
+        """Offer the prompt's blocks this step filled to the prefix cache."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.allocator.block_size
+        full = min(req.num_computed, len(req.prompt_ids)) // bs
+        for i in range(req.registered // bs, full):
+            self.allocator.register(req.blocks[i], req.block_hashes[i])
+        req.registered = max(req.registered, full * bs)
 
     def _build_step(self, plan: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
         """The step's inputs, built on the host and moved to the device in one copy."""
@@ -289,6 +377,7 @@ class Engine:
         for req, n in plan:
             req.num_computed += n
             req.last_fence = fence
+            self._register_full_prompt_blocks(req)
         outputs = []
         for i, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
             if req.return_logits:

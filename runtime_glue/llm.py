@@ -86,7 +86,9 @@ class LLM:
         exit_at_step: int | None = None,
         exit_threshold: float | None = None,
         adaptive_depth: bool = False,
+        enable_prefix_caching: bool | None = None,
     ) -> None:
+        """``enable_prefix_caching``: None, on where it is exact (deterministic mode)."""
         if dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {dtype!r}")
         check_block_size(block_size)
@@ -104,6 +106,8 @@ class LLM:
         self.weights = weights
         self.engine_config = EngineConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk_size)
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
+        self.allocator = BlockAllocator(blocks, block_size)  # shared by variants, as the pool is
+        self.enable_prefix_caching = enable_prefix_caching
         logger.info("%s", self.kv_summary)
         self._build(
             resolve(
@@ -124,13 +128,17 @@ class LLM:
         self.plan = plan
         logger.info("execution plan: %s", plan.describe())
         self.model = OuroModel(self.config, self.weights, plan, self.driver, self.kv_store)
+        caching = self.enable_prefix_caching
+        caching = plan.deterministic if caching is None else caching
+        logger.info("prefix caching %s", "on" if caching else "off")
         self.engine = Engine(
             self.model,
             self.driver.device,
-            BlockAllocator(self.kv_layout.num_blocks, self.kv_layout.block_size),
-            self.engine_config,
+            self.allocator,
+            attrs.evolve(self.engine_config, enable_prefix_caching=caching),
             eos_token_ids=self.config.eos_token_ids,
             tokenizer=self.tokenizer,
+            prefix_salt=f"{self.model_dir.resolve()}|{plan.describe()}".encode(),
         )
 
     def variant(
@@ -140,7 +148,8 @@ class LLM:
         adaptive_depth: bool | None = None,
     ) -> LLM:
         """The same weights and KV pool under the plan these flags resolve to (benchmarks
-        compare plans this way). Run one of the two at a time: they share the KV pool."""
+        compare plans this way). Run one of the two at a time: they share the KV pool and its
+        allocator (prefix-cache entries are salted with the plan, so they never mix)."""
         other = copy.copy(self)
         defaults = self.plan.exit_defaults
         adaptive = self.plan.adaptive_depth if adaptive_depth is None else adaptive_depth

@@ -28,6 +28,8 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = attrs.field(factory=list)
     blocks: list[int] = attrs.field(factory=list)  # block table: position p in blocks[p // bs]
+    block_hashes: list[bytes] = attrs.field(factory=list)  # of the prompt's full blocks
+    registered: int = 0  # prompt tokens whose blocks were offered to the prefix cache
     num_computed: int = 0  # tokens whose K/V is already in every plane
     finish_reason: str | None = None
     error: str | None = None

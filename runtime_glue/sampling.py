@@ -27,6 +27,9 @@ class SamplingParams:
     exit_at_step: int | None = None
     exit_threshold: float | None = None
     weighted_exit: bool = False
+    # Prefix caching: a request shares cached blocks only with requests of the same salt (as
+    # vLLM's cache_salt; e.g. one per tenant).
+    cache_salt: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

@@ -88,6 +88,31 @@ def test_bench_serve_drives_a_real_server_with_zero_errors(tmp_path, tiny_ckpt):
     assert "| 4 | 6 | 0 |" in table
 
 
+def test_bench_serve_shared_prefix_runs_unshared_then_shared(tmp_path, tiny_ckpt):
+    server = ServerProcess(tiny_ckpt)
+    try:
+        report, table = _bench(
+            tmp_path,
+            "serve --concurrency 2 --num-requests 4 --input-len 5 --output-len 4 "
+            "--shared-prefix-len 64",
+            "--url",
+            server.base,
+        )
+        hits = server.metrics()["rlt_hal_prefix_cache_hits_total"]
+    finally:
+        server.stop()
+    [lv] = report["levels"]
+    assert report["shared_prefix_len"] == 64 and lv["identical_outputs"] is True
+    for name in ("unshared", "shared"):
+        assert lv[name]["errors"] == 0 and lv[name]["num_requests"] == 4
+        assert _positive(lv[name]["first_request_ttft_s"])
+    # Only the shared pass hits: its four requests after the first, the whole prefix each.
+    assert hits == 4 * 64
+    assert lv["ttft_p50_ratio"] == lv["unshared"]["ttft_s"]["p50"] / lv["shared"]["ttft_s"]["p50"]
+    assert "| 2 | own salt each (baseline) | 4 | 0 |" in table and "| 2 | shared | 4 | 0 |" in table
+    assert f"c=2: TTFT p50 {lv['ttft_p50_ratio']:.3f}x lower" in table
+
+
 def test_bench_determinism_reports_the_cost_of_the_mode(tmp_path):
     report, table = _bench(
         tmp_path,

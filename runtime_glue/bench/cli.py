@@ -82,6 +82,13 @@ def add_parsers(sub) -> None:
     srv.add_argument("--num-requests", type=int, default=16)
     srv.add_argument("--input-len", type=int, default=64)
     srv.add_argument("--output-len", type=int, default=32)
+    srv.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="every prompt is one prefix of this many tokens, then --input-len of its own; "
+        "each level runs with no sharing (a cache salt per request: the baseline), then shared",
+    )
     srv.add_argument("--json", metavar="OUT")
     srv.set_defaults(func=cmd_serve)
 
@@ -191,6 +198,12 @@ def cmd_serve(args) -> int:
     from runtime_glue.bench.serve_bench import markdown_serve, serve
 
     report = serve(
-        args.url, args.concurrency, args.num_requests, args.input_len, args.output_len, args.model
+        args.url,
+        args.concurrency,
+        args.num_requests,
+        args.input_len,
+        args.output_len,
+        args.model,
+        args.shared_prefix_len,
     )
     return _emit(args, report, markdown_serve(report))

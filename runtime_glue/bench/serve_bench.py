@@ -17,10 +17,14 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _tokens(i: int, n: int) -> list[int]:
+    """``n`` token ids, distinct for each ``i`` (ids 3..902 exist in every preset)."""
+    return [3 + (i * 31 + j * 7) % 900 for j in range(n)]
+
+
 async def _one(
-    client: httpx.AsyncClient, url: str, model: str, input_len: int, output_len: int, i: int
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int, **extra
 ) -> dict:
-    prompt = [3 + (i * 31 + j * 7) % 900 for j in range(input_len)]
     body = {
         "model": model,
         "prompt": prompt,
@@ -29,10 +33,11 @@ async def _one(
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
+        **extra,
     }
     start = time.perf_counter()
     stamps: list[float] = []
-    tokens = 0
+    tokens, text = 0, []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -47,6 +52,7 @@ async def _one(
                 tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"]:
                 stamps.append(time.perf_counter())
+                text.append(chunk["choices"][0]["text"])
     end = time.perf_counter()
     if tokens != output_len or not stamps:
         return {"error": f"expected {output_len} tokens, got {tokens}"}
@@ -57,30 +63,34 @@ async def _one(
         "itl": itl,
         "tokens": tokens,
         "latency": end - start,
+        "text": "".join(text),
     }
 
 
-async def _level(
-    url: str, model: str, concurrency: int, num_requests: int, input_len: int, output_len: int
-) -> dict:
+async def _run(
+    url: str, model: str, concurrency: int, jobs: list[tuple[list[int], dict]], output_len: int
+) -> tuple[list[dict], float]:
+    """Send ``jobs`` (prompt, extra body fields), at most ``concurrency`` at a time."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
 
-        async def bounded(i):
+        async def bounded(prompt, extra):
             async with sem:
                 try:
-                    return await _one(client, url, model, input_len, output_len, i)
+                    return await _one(client, url, model, prompt, output_len, **extra)
                 except httpx.HTTPError as exc:
                     return {"error": f"{type(exc).__name__}: {exc}"}
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(i) for i in range(num_requests)))
-        wall = time.perf_counter() - start
+        results = await asyncio.gather(*(bounded(p, e) for p, e in jobs))
+        return results, time.perf_counter() - start
+
+
+def _summary(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if "error" not in r]
     itl = [x for r in ok for x in r["itl"]]
     return {
-        "concurrency": concurrency,
-        "num_requests": num_requests,
+        "num_requests": len(results),
         "errors": len(results) - len(ok),
         "error_samples": [r["error"] for r in results if "error" in r][:3],
         "ttft_s": {
@@ -98,6 +108,37 @@ async def _level(
     }
 
 
+def _level(url, model, concurrency, num_requests, input_len, output_len) -> dict:
+    jobs: list[tuple[list[int], dict]] = [(_tokens(i, input_len), {}) for i in range(num_requests)]
+    results, wall = asyncio.run(_run(url, model, concurrency, jobs, output_len))
+    return {"concurrency": concurrency, **_summary(results, wall)}
+
+
+def _shared_prefix_level(
+    url, model, concurrency, num_requests, prefix_len, input_len, output_len, run_id
+) -> dict:
+    """The same requests twice: each with a cache salt of its own (no request finds another's
+    blocks: what caching off computes, the baseline), then all with one salt (they share the
+    prefix). Each pass starts with one request alone that fills the cache for its salt."""
+    prefix = _tokens(10_000, prefix_len)
+    prompts = [prefix + _tokens(i, input_len) for i in range(num_requests + 1)]
+    level, texts = {"concurrency": concurrency}, {}
+    for name in ("unshared", "shared"):
+        salt = f"{run_id}-c{concurrency}-{name}"
+        jobs = [
+            (p, {"cache_salt": f"{salt}-{i}" if name == "unshared" else salt})
+            for i, p in enumerate(prompts)
+        ]
+        first, _ = asyncio.run(_run(url, model, 1, jobs[:1], output_len))
+        results, wall = asyncio.run(_run(url, model, concurrency, jobs[1:], output_len))
+        level[name] = {"first_request_ttft_s": first[0].get("ttft"), **_summary(results, wall)}
+        texts[name] = [r.get("text") for r in first + results]
+    base, shared = (level[n]["ttft_s"]["p50"] for n in ("unshared", "shared"))
+    level["ttft_p50_ratio"] = base / shared if base and shared else None
+    level["identical_outputs"] = texts["unshared"] == texts["shared"]
+    return level
+
+
 def serve(
     url: str,
     concurrency: list[int],
@@ -105,34 +146,60 @@ def serve(
     input_len: int,
     output_len: int,
     model: str | None = None,
+    shared_prefix_len: int = 0,
 ) -> dict:
+    """Each concurrency level's figures; with ``shared_prefix_len`` P, every prompt is one P-token
+    prefix followed by ``input_len`` tokens of its own, sent without and with sharing."""
     url = url.rstrip("/").removesuffix("/v1")
     model = model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    run_id = f"bench-{time.time_ns()}"  # no cache entry of an earlier run is ever hit
     levels = [
-        asyncio.run(_level(url, model, c, num_requests, input_len, output_len)) for c in concurrency
+        _shared_prefix_level(
+            url, model, c, num_requests, shared_prefix_len, input_len, output_len, run_id
+        )
+        if shared_prefix_len
+        else _level(url, model, c, num_requests, input_len, output_len)
+        for c in concurrency
     ]
     return {
         "url": url,
         "model": model,
         "input_len": input_len,
         "output_len": output_len,
+        "shared_prefix_len": shared_prefix_len,
         "levels": levels,
     }
 
 
 def markdown_serve(report: dict) -> str:
+    shared = bool(report.get("shared_prefix_len"))
     lines = [
-        "| concurrency | requests | errors | TTFT p50/p99 (s) | TPOT p50/p99 (s) | "
-        "ITL p50/p99 (s) | req/s | output tok/s |",
-        "|---|---|---|---|---|---|---|---|",
+        ("| concurrency | prefix | " if shared else "| concurrency | ")
+        + "requests | errors | TTFT p50/p99 (s) | TPOT p50/p99 (s) | ITL p50/p99 (s) | req/s | "
+        "output tok/s |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if shared else ""),
     ]
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    for lv in report["levels"]:
-        lines.append(
-            f"| {lv['concurrency']} | {lv['num_requests']} | {lv['errors']} | "
+
+    def row(label: str, lv: dict) -> str:
+        return (
+            f"| {label} | {lv['num_requests']} | {lv['errors']} | "
             f"{f(lv['ttft_s']['p50'])}/{f(lv['ttft_s']['p99'])} | "
             f"{f(lv['tpot_s']['p50'])}/{f(lv['tpot_s']['p99'])} | "
             f"{f(lv['itl_s']['p50'])}/{f(lv['itl_s']['p99'])} | "
             f"{lv['request_throughput_per_s']:.3f} | {lv['output_tok_s']:.2f} |"
         )
-    return "\n".join(lines)
+
+    notes = []
+    for lv in report["levels"]:
+        c = lv["concurrency"]
+        if not shared:
+            lines.append(row(str(c), lv))
+            continue
+        lines.append(row(f"{c} | own salt each (baseline)", lv["unshared"]))
+        lines.append(row(f"{c} | shared", lv["shared"]))
+        notes.append(
+            f"c={c}: TTFT p50 {f(lv['ttft_p50_ratio'])}x lower with the prefix shared; "
+            f"outputs {'identical' if lv['identical_outputs'] else 'DIFFERENT'}"
+        )
+    return "\n".join(lines + notes)

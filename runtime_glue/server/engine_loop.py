@@ -123,3 +123,5 @@ class EngineLoop:
         self.metrics.running.set(len(eng.running))
         self.metrics.waiting.set(len(eng.waiting))
         self.metrics.free_blocks.set(eng.num_free_blocks)
+        self.metrics.cached_blocks.set(eng.allocator.num_cached)
+        self.metrics.sync_counters(eng.stats)

@@ -39,7 +39,36 @@ class Metrics:
         )
         self.running = Gauge("rlt_hal_running_requests", "Requests running", registry=reg)
         self.waiting = Gauge("rlt_hal_waiting_requests", "Requests waiting", registry=reg)
-        self.free_blocks = Gauge("rlt_hal_kv_free_blocks", "Free KV cache blocks", registry=reg)
+        self.free_blocks = Gauge(
+            "rlt_hal_kv_free_blocks",
+            "KV cache blocks that can be handed out (free, or cached and unused)",
+            registry=reg,
+        )
+        self.cached_blocks = Gauge(
+            "rlt_hal_kv_cached_blocks",
+            "KV cache blocks holding a prefix-cache entry (in use or not)",
+            registry=reg,
+        )
+        # The engine's running totals, mirrored by _sync_counters.
+        self.engine_counters = {
+            "prefix_cache_queries": Counter(
+                "rlt_hal_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (as vLLM counts them)",
+                registry=reg,
+            ),
+            "prefix_cache_hits": Counter(
+                "rlt_hal_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (not computed again)",
+                registry=reg,
+            ),
+            "preemptions": Counter(
+                "rlt_hal_preemptions",
+                "Running requests preempted (pages released, recomputed later) when the pool "
+                "ran dry",
+                registry=reg,
+            ),
+        }
+        self._seen = dict.fromkeys(self.engine_counters, 0)
         total = Gauge("rlt_hal_kv_total_blocks", "KV cache blocks in the pool", registry=reg)
         total.set(total_blocks)
         self.free_blocks.set(total_blocks)
@@ -62,6 +91,12 @@ class Metrics:
             buckets=tuple(float(t) for t in range(loops)),
             registry=reg,
         )
+
+    def sync_counters(self, stats: dict[str, int]) -> None:
+        """Advance the mirrored counters to the engine's totals."""
+        for name, counter in self.engine_counters.items():
+            counter.inc(stats[name] - self._seen[name])
+            self._seen[name] = stats[name]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,6 +55,8 @@ class _SamplingFields(BaseModel):
     exit_threshold: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     weighted_exit: bool = False
     return_exit_steps: bool = False
+    # vLLM's field: requests share prefix-cache blocks only with requests of the same salt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -93,6 +95,7 @@ class _SamplingFields(BaseModel):
             exit_at_step=self.exit_at_step,
             exit_threshold=self.exit_threshold,
             weighted_exit=self.weighted_exit,
+            cache_salt=self.cache_salt,
         )
 
 
