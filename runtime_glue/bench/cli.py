@@ -108,6 +108,7 @@ def _llm(args, tokens: int, **options):
         max_num_batched_tokens=max(8192, tokens),
         deterministic=args.deterministic,
         linear=args.linear,
+        enable_prefix_caching=False,  # runs repeat their prompts: each must compute them
         **options,
     )
 
