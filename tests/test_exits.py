@@ -72,14 +72,7 @@ def test_a_batch_mixing_modes_keeps_each_requests_own(gqa256, driver_name):
     jobs = list(zip(prompts, MODES.values(), strict=True))
     # Deterministic mode: each request gets, in the batch, the bits it gets alone.
     det = LLM(gqa256, device=driver_name, block_size=16, num_blocks=64, deterministic=True)
-    eng = det.engine
-    for i, (prompt, mode) in enumerate(jobs):
-        params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **mode)
-        eng.add_request(f"r{i}", prompt, params, return_logits=True)
-    reqs = [eng.requests[f"r{i}"] for i in range(len(jobs))]
-    while eng.has_unfinished():
-        eng.step()
-    for req, (prompt, mode) in zip(reqs, jobs, strict=True):
+    for req, (prompt, mode) in zip(_batched(det, jobs), jobs, strict=True):
         alone = _run(det, prompt, **mode)
         assert tuple(req.output_ids) == alone.token_ids
         assert torch.equal(torch.stack(req.logits), alone.logits)
@@ -87,12 +80,14 @@ def test_a_batch_mixing_modes_keeps_each_requests_own(gqa256, driver_name):
     # HF-exact mode: batched, each request stays within the tolerance of the reference.
     exact = LLM(gqa256, device=driver_name, block_size=16, num_blocks=64, deterministic=False)
     reference = _reference(gqa256)
-    for (prompt, mode), out in zip(jobs, _batched(exact, jobs), strict=True):
+    for (prompt, mode), req in zip(jobs, _batched(exact, jobs), strict=True):
         tokens, logits = reference.generate(prompt, MAX_NEW, **mode)
-        assert within_tolerance(tokens, logits, out.token_ids, out.logits, 0.5).passed
+        got = torch.stack(req.logits)
+        assert within_tolerance(tokens, logits, tuple(req.output_ids), got, 0.5).passed
 
 
 def _batched(llm, jobs):
+    """Run ``jobs`` (prompt, exit mode) in one batch; the engine's requests, in order."""
     eng = llm.engine
     for i, (prompt, mode) in enumerate(jobs):
         params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, **mode)
@@ -100,12 +95,7 @@ def _batched(llm, jobs):
     reqs = [eng.requests[f"b{i}"] for i in range(len(jobs))]
     while eng.has_unfinished():
         eng.step()
-
-    class Out:
-        def __init__(self, r):
-            self.token_ids, self.logits = tuple(r.output_ids), torch.stack(r.logits)
-
-    return [Out(r) for r in reqs]
+    return reqs
 
 
 def test_a_planted_error_in_the_exit_distribution_is_caught(gqa256, monkeypatch):

@@ -25,6 +25,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
 
 
+def _load_args(p: argparse.ArgumentParser, output_len: int = 16) -> None:
+    """A batch of prompts run several times, with c=1 and c=N levels."""
+    _model_args(p)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=8, help="prompts at once (besides c=1)")
+
+
 def add_parsers(sub) -> None:
     p = sub.add_parser("bench", help="latency, baseline and HTTP benchmarks")
     kinds = p.add_subparsers(dest="bench", required=True)
@@ -36,37 +45,21 @@ def add_parsers(sub) -> None:
     lat.add_argument("--warmup", type=int, default=1)
     lat.set_defaults(func=cmd_latency)
     base = kinds.add_parser("baseline", help="rlt-hal vs the HF-module reference")
-    _model_args(base)
-    base.add_argument("--input-len", type=int, default=64)
-    base.add_argument("--output-len", type=int, default=16)
-    base.add_argument("--runs", type=int, default=3)
-    base.add_argument("--concurrency", type=int, default=8, help="prompts at once (besides c=1)")
+    _load_args(base)
     base.set_defaults(func=cmd_baseline)
     det = kinds.add_parser("determinism", help="throughput cost of --deterministic")
-    _model_args(det)
-    det.add_argument("--input-len", type=int, default=64)
-    det.add_argument("--output-len", type=int, default=16)
-    det.add_argument("--runs", type=int, default=3)
-    det.add_argument("--concurrency", type=int, default=8)
+    _load_args(det)
     det.set_defaults(func=cmd_determinism)
     pl = kinds.add_parser(
         "plans", help="the default execution plan against each single-kernel plan, one run"
     )
-    _model_args(pl)
-    pl.add_argument("--input-len", type=int, default=64)
-    pl.add_argument("--output-len", type=int, default=16)
-    pl.add_argument("--runs", type=int, default=3)
-    pl.add_argument("--concurrency", type=int, default=8)
+    _load_args(pl)
     pl.set_defaults(func=cmd_plans)
     ad = kinds.add_parser(
         "adaptive", help="adaptive depth against full compute: speed, depth and agreement"
     )
-    _model_args(ad)
+    _load_args(ad, output_len=32)
     ad.add_argument("--exit-threshold", type=float, default=0.5)
-    ad.add_argument("--input-len", type=int, default=64)
-    ad.add_argument("--output-len", type=int, default=32)
-    ad.add_argument("--runs", type=int, default=3)
-    ad.add_argument("--concurrency", type=int, default=8)
     ad.set_defaults(func=cmd_adaptive)
     dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
     dt.add_argument("--model", help="a checkpoint directory (its tokenizer)")
