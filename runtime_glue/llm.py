@@ -16,7 +16,8 @@ from runtime_glue.config import OuroConfig
 from runtime_glue.engine import Engine, EngineConfig, InvalidRequest
 from runtime_glue.kv_manager import BlockAllocator
 from runtime_glue.model import OuroModel
-from runtime_glue.plan import ExecutionPlan, resolve
+from runtime_glue.plan import ExecutionPlan
+from runtime_glue.resolve import resolve
 from runtime_glue.sampling import SamplingParams
 from runtime_glue.tokenizer import load_tokenizer
 
