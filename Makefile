@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # without CANN by make test-torch-npu).
 TORCH_NPU_PIN ?= torch-npu==2.13.0
 
-.PHONY: setup test test-floors test-torch-npu lint run serve clean
+.PHONY: setup test test-floors test-torch-npu test-ray lint run serve clean
 
 $(STAMP): pyproject.toml examples/rlt-hal-acme/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,18 @@ test-torch-npu: $(STAMP)
 	$(TORCH_NPU_VENV)/bin/python -m pip install -q -e ".[test]"
 	$(TORCH_NPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_npu_package.py
 
+# rlt-hal serve --replicas on Ray Serve, in a venv of its own with the ray extra: two CPU
+# replicas of a tiny checkpoint on loopback (the main venv has no Ray, and tests that
+# --replicas says what to install).
+RAY_VENV := .venv-ray
+
+test-ray: $(STAMP)
+	test -x $(RAY_VENV)/bin/python || $(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(RAY_VENV)/bin/python -m pip install -q -e ".[test,ray]"
+	RAY_USAGE_STATS_ENABLED=0 $(RAY_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_replicas.py
+
 # The main job: the OpenAI-compatible server on the embedded default (a small random Ouro
 # checkpoint) at http://127.0.0.1:8000/v1. `make run` generates once without a server.
 serve: $(STAMP)
@@ -70,4 +82,4 @@ run: $(STAMP)
 	$(BIN)/rlt-hal run
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(TORCH_NPU_VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(TORCH_NPU_VENV) $(RAY_VENV) .pytest_cache .ruff_cache .mypy_cache

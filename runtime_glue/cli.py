@@ -215,13 +215,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return cmd_generate(args)
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or (str(args.model) if args.model else "rlt-hal-toy-random")
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    try:
+        from runtime_glue.server import replicas
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "ray":
+            raise
+        raise RuntimeError(
+            "--replicas runs the server on Ray Serve, which is not installed here: "
+            "pip install 'rlt-hal[ray]' (see docs/scale-out.md)"
+        ) from None
+    return replicas.run(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        return serve_replicas(args)
     import uvicorn
 
     from runtime_glue.server.app import Server, build_app
 
     llm = build_llm(args)
-    name = args.served_model_name or (str(args.model) if args.model else "rlt-hal-toy-random")
+    name = served_model_name(args)
     server = Server(
         llm,
         name,
@@ -321,6 +340,33 @@ def _add_serve(sub) -> None:
         type=float,
         default=10.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
+    )
+    ray = p.add_argument_group(
+        "replicas on Ray Serve (pip install 'rlt-hal[ray]'; see docs/scale-out.md)"
+    )
+    ray.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="serve N engines, one per device, behind one endpoint through Ray Serve",
+    )
+    ray.add_argument(
+        "--ray-address",
+        metavar="auto|ADDR",
+        help="join this Ray cluster (auto: the one `ray start` began here); default: start one",
+    )
+    ray.add_argument(
+        "--ray-metrics-export-port",
+        type=int,
+        metavar="PORT",
+        help="where the Ray cluster this command starts serves every replica's metrics to "
+        "Prometheus (a joined cluster: ray start --metrics-export-port)",
+    )
+    ray.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="CPU cores Ray reserves for each replica (its torch threads on --device cpu)",
     )
     p.set_defaults(func=cmd_serve)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -170,8 +172,15 @@ def cached_checkpoint(preset: str, seed: int = 0) -> Path:
     on first use: the embedded default model and the benchmark presets."""
     path = cache_dir() / f"toy-{preset}-seed{seed}"
     if not (path / "config.json").is_file():
+        # Written aside and renamed into place: processes that start together (the replicas
+        # of `rlt-hal serve --replicas N`) never read a half-written checkpoint.
         logger.warning("writing the random %s checkpoint to %s", preset, path)
-        write_checkpoint(path, preset_config(preset), seed=seed)
+        staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        write_checkpoint(staging, preset_config(preset), seed=seed)
+        try:
+            staging.rename(path)
+        except OSError:  # another process put its copy there first; both are the same
+            shutil.rmtree(staging)
     return path
 
 

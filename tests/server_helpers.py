@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -18,10 +19,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir, *extra: str) -> None:
+    def __init__(self, model_dir, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("RLT_HAL_NPU_EMULATE", None)
         cmd = [
             sys.executable,
@@ -40,13 +41,13 @@ class ServerProcess:
             "64",
             *extra,
         ]
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        # A file, not a pipe: a server that logs more than a pipe holds must never block on it.
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as the server does
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited early:\n{self.output()}")
             try:
                 if httpx.get(self.base + "/health", timeout=1).status_code == 200:
                     return
@@ -54,6 +55,11 @@ class ServerProcess:
                 time.sleep(0.3)
         self.stop()
         raise RuntimeError("server did not become healthy within 120 s")
+
+    def output(self) -> str:
+        """Everything the server wrote to stdout and stderr so far."""
+        self.log.seek(0)
+        return self.log.read()
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.base + "/metrics").text

@@ -1,0 +1,266 @@
+"""``rlt-hal serve --replicas N`` on Ray Serve: two CPU replicas of the tiny checkpoint behind one
+loopback endpoint, driven by the official openai client (make test-ray, a venv with the ray
+extra). Without Ray installed only the first test runs: ``--replicas`` says what to install."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime_glue.llm import LLM
+from runtime_glue.sampling import SamplingParams
+from tests.server_helpers import ServerProcess, free_port
+
+HAS_RAY = importlib.util.find_spec("ray") is not None
+needs_ray = pytest.mark.skipif(not HAS_RAY, reason="needs the ray extra (make test-ray)")
+HEADER = "x-rlt-hal-replica"
+REPLICA_PROCESS = "ServeReplica:rlt-hal"  # Ray's process title for our replicas
+CONFIG = Path(__file__).parents[1] / "examples" / "ray-serve" / "config.yaml"
+# No usage report from a test cluster; no token to set up for a loopback one.
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4 5"]
+# Ray's own pydantic models warn on import under pydantic 2.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
+
+
+@pytest.mark.skipif(HAS_RAY, reason="ray is installed here")
+def test_replicas_without_ray_say_what_to_install(tiny_ckpt):
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime_glue.cli", "serve", "--model", str(tiny_ckpt)]
+        + ["--replicas", "2", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'rlt-hal[ray]'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@needs_ray
+def test_serve_without_replicas_never_imports_ray():
+    code = (
+        "import sys, runtime_glue.cli as c, runtime_glue.server.app;"
+        "c.build_parser().parse_args(['serve']);"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'ray'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- how a replica is placed: no cluster needed --------------------------------------------
+
+
+@needs_ray
+def test_each_replica_asks_for_one_device_of_its_kind(monkeypatch):
+    from runtime_glue.server.replicas import actor_options, device_kind
+
+    monkeypatch.delenv("VLLM_RLT_DEVICE", raising=False)
+    assert device_kind(None, {"CPU": 192, "NPU": 8}) == "npu"
+    assert device_kind("auto", {"CPU": 64, "GPU": 8}) == "cuda"
+    assert device_kind(None, {"CPU": 2}) == "cpu"
+    assert device_kind("cuda", {"CPU": 2, "NPU": 8}) == "cuda"
+    monkeypatch.setenv("VLLM_RLT_DEVICE", "npu")
+    assert device_kind(None, {}) == "npu"
+    with pytest.raises(ValueError, match="--device npu"):
+        device_kind("npu:3", {"NPU": 8})
+    assert actor_options("npu", 4) == {"num_cpus": 4, "resources": {"NPU": 1}}
+    assert actor_options("cuda", 2) == {"num_cpus": 2, "num_gpus": 1}
+    assert actor_options("cpu", 1) == {"num_cpus": 1}
+
+
+@needs_ray
+def test_the_serve_config_example_is_valid_for_ray_and_for_rlt_hal():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from runtime_glue.server import replicas
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
+    (app,) = config.applications
+    module, _, attr = app.import_path.partition(":")
+    assert getattr(__import__(module, fromlist=[attr]), attr) is replicas.build_application
+    args = dict(app.args)
+    args.pop("replicas"), args.pop("cpus_per_replica")
+    assert replicas.serve_options(**args).model == args["model"]
+    with pytest.raises(ValueError, match="unknown rlt-hal serve option"):
+        replicas.serve_options(max_num_seq=4)
+
+
+# -- two replicas on loopback ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_ckpt):
+    metrics_port = free_port()
+    server = ServerProcess(
+        tiny_ckpt,
+        *("--replicas", "2", "--device", "cpu", "--ray-metrics-export-port", str(metrics_port)),
+        env=RAY_ENV,
+    )
+    server.ray_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    try:
+        # /health answers once one replica is up; wait for the second.
+        server.seen = _replicas_answering(server, want=2, timeout=120)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.base + "/v1", api_key="unused", max_retries=0)
+
+
+def _replicas_answering(server, want: int, timeout: float) -> set[str]:
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(seen) < want and time.monotonic() < deadline:
+        reply = httpx.get(server.base + "/health", timeout=10)
+        if reply.status_code == 200:
+            seen.add(reply.headers[HEADER])
+        time.sleep(0.05)
+    assert len(seen) >= want, f"{seen} answered within {timeout} s\n{server.output()[-3000:]}"
+    return seen
+
+
+@needs_ray
+def test_greedy_completions_and_streams_through_ray_equal_llm_generate(tiny_ckpt, client):
+    local = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=64)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [out.text for out in local.generate(PROMPTS, params)]
+    extra = {"extra_body": {"ignore_eos": True}, "temperature": 0, "max_tokens": 8}
+    got = [client.completions.create(model="toy", prompt=p, **extra) for p in PROMPTS]
+    assert [c.choices[0].text for c in got] == want
+    streamed = [
+        "".join(
+            chunk.choices[0].text
+            for chunk in client.completions.create(model="toy", prompt=p, stream=True, **extra)
+            if chunk.choices
+        )
+        for p in PROMPTS
+    ]
+    assert streamed == want
+    chat = client.chat.completions.create(
+        model="toy", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=4
+    )
+    assert sum(1 for chunk in chat if chunk.choices and chunk.choices[0].delta.content) >= 1
+
+
+@needs_ray
+def test_requests_are_spread_over_both_replicas_and_each_counts_its_own(cluster):
+    names: list[str] = []
+
+    def one(i: int) -> None:
+        reply = httpx.post(
+            cluster.base + "/v1/completions",
+            json={"model": "toy", "prompt": f"request {i}", "max_tokens": 4},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        names.append(reply.headers[HEADER])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(names) == 16 and set(names) == cluster.seen
+    # Each replica's /metrics is its own engine's: fetched until both have answered, their
+    # request counts add up to every request the cluster has served.
+    counts: dict[str, float] = {}
+    deadline = time.monotonic() + 60
+    while set(counts) != cluster.seen and time.monotonic() < deadline:
+        reply = httpx.get(cluster.base + "/metrics", timeout=10)
+        counts[reply.headers[HEADER]] = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in reply.text.splitlines()
+            if line.startswith("rlt_hal_requests_total{")
+        )
+    assert set(counts) == cluster.seen
+    for name in cluster.seen:
+        assert counts[name] >= names.count(name)
+    # The same counts reach Prometheus through Ray's metrics port, one series per replica.
+    mirrored: dict[str, float] = {}
+    deadline = time.monotonic() + 60
+    while mirrored != counts and time.monotonic() < deadline:
+        time.sleep(1.0)
+        mirrored = _ray_requests_by_replica(httpx.get(cluster.ray_metrics, timeout=10).text)
+    assert mirrored == counts
+
+
+def _ray_requests_by_replica(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "ray_rlt_hal_requests_total":
+                replica = sample.labels["replica"]
+                out[replica] = out.get(replica, 0.0) + sample.value
+    return out
+
+
+@needs_ray
+def test_a_killed_replica_is_restarted_and_the_endpoint_keeps_serving(cluster, client):
+    victims = subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True)
+    pids = [int(p) for p in victims.stdout.split()]
+    assert len(pids) == 2, victims.stdout
+    before = set(cluster.seen)
+    stop, lock = threading.Event(), threading.Lock()
+    served: list[str] = []
+    errors: list[str] = []
+
+    def load() -> None:  # four clients, one request after another, until told to stop
+        while not stop.is_set():
+            try:
+                reply = httpx.post(
+                    cluster.base + "/v1/completions",
+                    json={"model": "toy", "prompt": "keep going", "max_tokens": 8},
+                    timeout=60,
+                )
+            except httpx.HTTPError as exc:
+                with lock:
+                    errors.append(repr(exc))
+                continue
+            with lock:
+                if reply.status_code == 200:
+                    served.append(reply.headers[HEADER])
+                else:
+                    errors.append(f"{reply.status_code} {reply.text[:200]}")
+
+    clients = [threading.Thread(target=load) for _ in range(4)]
+    for t in clients:
+        t.start()
+    time.sleep(1.0)
+    os.kill(pids[0], signal.SIGKILL)
+    killed_at = len(served)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (set(served[killed_at:]) - before):
+        time.sleep(0.2)
+    time.sleep(1.0)  # the new replica takes its share
+    stop.set()
+    for t in clients:
+        t.join(70)
+    newcomers = set(served[killed_at:]) - before
+    print(f"replica killed mid-run: {len(served)} served, {len(errors)} client errors {errors}")
+    assert newcomers, f"no replacement replica answered within 120 s; errors: {errors[:5]}"
+    # Only what was in flight on the killed replica may fail: at most one per client.
+    assert len(errors) <= len(clients), errors
+    assert not any(t.is_alive() for t in clients)
+    assert client.completions.create(model="toy", prompt="after", max_tokens=2).choices
+
+
+@needs_ray
+def test_the_server_shuts_down_cleanly_with_its_replicas(cluster):
+    assert cluster.stop(signal.SIGTERM) == 0, cluster.output()[-3000:]
+    left = subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "replica processes outlived the server"
