@@ -209,11 +209,21 @@ def _ray_requests_by_replica(text: str) -> dict[str, float]:
     return out
 
 
+def _replica_processes(server):
+    """The replica processes under this server (Ray's workers are its descendants)."""
+    import psutil
+
+    return [
+        p
+        for p in psutil.Process(server.proc.pid).children(recursive=True)
+        if REPLICA_PROCESS in " ".join(p.cmdline())
+    ]
+
+
 @needs_ray
 def test_a_killed_replica_is_restarted_and_the_endpoint_keeps_serving(cluster, client):
-    victims = subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True)
-    pids = [int(p) for p in victims.stdout.split()]
-    assert len(pids) == 2, victims.stdout
+    victims = _replica_processes(cluster)
+    assert len(victims) == 2, victims
     before = set(cluster.seen)
     stop, lock = threading.Event(), threading.Lock()
     served: list[str] = []
@@ -241,7 +251,7 @@ def test_a_killed_replica_is_restarted_and_the_endpoint_keeps_serving(cluster, c
     for t in clients:
         t.start()
     time.sleep(1.0)
-    os.kill(pids[0], signal.SIGKILL)
+    victims[0].kill()
     killed_at = len(served)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (set(served[killed_at:]) - before):
@@ -261,6 +271,60 @@ def test_a_killed_replica_is_restarted_and_the_endpoint_keeps_serving(cluster, c
 
 @needs_ray
 def test_the_server_shuts_down_cleanly_with_its_replicas(cluster):
+    import psutil
+
+    replicas = _replica_processes(cluster)
+    assert len(replicas) == 2
     assert cluster.stop(signal.SIGTERM) == 0, cluster.output()[-3000:]
-    left = subprocess.run(["pgrep", "-f", REPLICA_PROCESS], capture_output=True, text=True)
-    assert left.stdout.strip() == "", "replica processes outlived the server"
+    _, alive = psutil.wait_procs(replicas, timeout=10)
+    assert not alive, "replica processes outlived the server"
+
+
+@needs_ray
+def test_serve_run_deploys_the_config_example(tiny_ckpt, tmp_path):
+    """`serve run config.yaml` (Ray's own CLI) with the example's import path and args, the
+    model and device made this machine's."""
+    import yaml
+
+    config = yaml.safe_load(CONFIG.read_text())
+    port = free_port()
+    config["http_options"] = {"host": "127.0.0.1", "port": port}
+    args = config["applications"][0]["args"]
+    del args["kv_cache_memory"]
+    args.update(model=str(tiny_ckpt), device="cpu", replicas=1, cpus_per_replica=1)
+    args.update(block_size=16, num_blocks=64)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    serve_cli = Path(sys.executable).with_name("serve")
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [str(serve_cli), "run", "config.yaml"],
+            cwd=tmp_path,
+            env={**os.environ, **RAY_ENV},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches its whole group, as in a terminal
+        )
+    try:
+        reply, deadline = None, time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                reply = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"model": args["served_model_name"], "prompt": "hi", "max_tokens": 3},
+                    timeout=30,
+                )
+                if reply.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert reply is not None and reply.status_code == 200, log.read_text()[-3000:]
+        assert reply.headers[HEADER] and reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

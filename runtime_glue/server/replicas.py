@@ -156,13 +156,14 @@ class Replica:
         self.mirror.stop()
 
 
-def build_application(args: Mapping | None = None, **overrides):
+def build_application(args: Mapping):
     """The Serve application: ``replicas`` copies of the rlt-hal server.
 
     ``args`` holds ``rlt-hal serve`` options (``model``, ``device``, ``max_num_seqs``, ...)
-    plus ``replicas`` and ``cpus_per_replica``; this is the builder a Serve config file names.
+    plus ``replicas`` and ``cpus_per_replica``; this is the builder a Serve config file names
+    (Serve passes it the file's ``args``).
     """
-    given = {**(args or {}), **overrides}
+    given = dict(args)
     replicas = int(given.pop("replicas", 1))
     cpus = float(given.pop("cpus_per_replica", 1))
     if replicas < 1:
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         device = device_kind(args.device, ray.cluster_resources())
         options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-        serve.run(build_application(options, device=device), name=APP_NAME, route_prefix="/")
+        serve.run(build_application({**options, "device": device}), name=APP_NAME)
         print(
             f"serving {served_model_name(args)!r} on http://{args.host}:{args.port}/v1 with "
             f"{args.replicas} replica(s) on {device} (Ray Serve; "
