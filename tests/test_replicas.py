@@ -80,6 +80,17 @@ def test_each_replica_asks_for_one_device_of_its_kind(monkeypatch):
 
 
 @needs_ray
+def test_replicas_the_cluster_cannot_place_fail_at_once():
+    from runtime_glue.server.replicas import check_capacity
+
+    check_capacity("npu", 8, 4, {"CPU": 192, "NPU": 8})
+    with pytest.raises(RuntimeError, match="need 8 NPU but the Ray cluster has 2.*set_env.sh"):
+        check_capacity("npu", 8, 1, {"CPU": 192, "NPU": 2})
+    with pytest.raises(RuntimeError, match="need 4 CPU but the Ray cluster has 2"):
+        check_capacity("cpu", 2, 2, {"CPU": 2})
+
+
+@needs_ray
 def test_the_serve_config_example_is_valid_for_ray_and_for_rlt_hal():
     import yaml
     from ray.serve.schema import ServeDeploySchema

@@ -75,6 +75,26 @@ def actor_options(device: str, cpus_per_replica: float) -> dict:
     return options
 
 
+def check_capacity(device: str, replicas: int, cpus: float, cluster: Mapping[str, float]) -> None:
+    """Fail now, not by waiting forever for replicas Ray cannot place."""
+    need = {"CPU": replicas * cpus}
+    if device in RAY_RESOURCE:
+        need[RAY_RESOURCE[device]] = replicas
+    for resource, amount in need.items():
+        have = cluster.get(resource, 0)
+        if have < amount:
+            hint = (
+                "; Ray counts NPUs with AscendCL or /dev/davinci*: source CANN's set_env.sh "
+                "before `ray start`"
+                if resource == "NPU"
+                else ""
+            )
+            raise RuntimeError(
+                f"{replicas} replica(s) on {device} need {amount:g} {resource} but the Ray "
+                f"cluster has {have:g} (`ray status` lists its resources){hint}"
+            )
+
+
 class ReplicaHeader:
     """ASGI middleware: every HTTP response names the replica that made it."""
 
@@ -200,7 +220,9 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        device = device_kind(args.device, ray.cluster_resources())
+        cluster = ray.cluster_resources()
+        device = device_kind(args.device, cluster)
+        check_capacity(device, args.replicas, args.cpus_per_replica, cluster)
         options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
         serve.run(build_application({**options, "device": device}), name=APP_NAME)
         print(
