@@ -235,6 +235,13 @@ def serve_replicas(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return serve_replicas(args)
+    given = [
+        flag
+        for flag in ("--ray-address", "--ray-metrics-export-port", "--cpus-per-replica")
+        if getattr(args, flag[2:].replace("-", "_")) is not None
+    ]
+    if given:
+        raise ValueError(f"{', '.join(given)}: Ray options, for serve --replicas N only")
     import uvicorn
 
     from runtime_glue.server.app import Server, build_app
@@ -365,8 +372,8 @@ def _add_serve(sub) -> None:
     ray.add_argument(
         "--cpus-per-replica",
         type=float,
-        default=1.0,
-        help="CPU cores Ray reserves for each replica (its torch threads on --device cpu)",
+        help="CPU cores Ray reserves for each replica, its torch threads on --device cpu "
+        "(default 1)",
     )
     p.set_defaults(func=cmd_serve)
 

@@ -47,6 +47,18 @@ def test_replicas_without_ray_say_what_to_install(tiny_ckpt):
     assert "pip install 'rlt-hal[ray]'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_ray_options_without_replicas_are_refused(tiny_ckpt):
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime_glue.cli", "serve", "--model", str(tiny_ckpt)]
+        + ["--ray-address", "auto"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--ray-address: Ray options, for serve --replicas N only" in proc.stderr, proc.stderr
+
+
 @needs_ray
 def test_serve_without_replicas_never_imports_ray():
     code = (
@@ -188,35 +200,39 @@ def test_requests_are_spread_over_both_replicas_and_each_counts_its_own(cluster)
         t.join()
     assert len(names) == 16 and set(names) == cluster.seen
     # Each replica's /metrics is its own engine's: fetched until both have answered, their
-    # request counts add up to every request the cluster has served.
-    counts: dict[str, float] = {}
+    # request counts add up to at least the requests each answered here.
+    own: dict[str, dict[str, float]] = {}
     deadline = time.monotonic() + 60
-    while set(counts) != cluster.seen and time.monotonic() < deadline:
+    while set(own) != cluster.seen and time.monotonic() < deadline:
         reply = httpx.get(cluster.base + "/metrics", timeout=10)
-        counts[reply.headers[HEADER]] = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in reply.text.splitlines()
-            if line.startswith("rlt_hal_requests_total{")
-        )
-    assert set(counts) == cluster.seen
+        own.update(_by_replica(reply.text, "", reply.headers[HEADER]))
+    assert set(own) == cluster.seen
     for name in cluster.seen:
-        assert counts[name] >= names.count(name)
-    # The same counts reach Prometheus through Ray's metrics port, one series per replica.
-    mirrored: dict[str, float] = {}
+        assert own[name]["requests"] >= names.count(name)
+        assert own[name]["ttft"] == own[name]["requests"]  # every request here made a token
+    # The same figures reach Prometheus through Ray's metrics port, one series per replica.
+    mirrored: dict[str, dict[str, float]] = {}
     deadline = time.monotonic() + 60
-    while mirrored != counts and time.monotonic() < deadline:
+    while mirrored != own and time.monotonic() < deadline:
         time.sleep(1.0)
-        mirrored = _ray_requests_by_replica(httpx.get(cluster.ray_metrics, timeout=10).text)
-    assert mirrored == counts
+        mirrored = _by_replica(httpx.get(cluster.ray_metrics, timeout=10).text, "ray_")
+    assert mirrored == own
 
 
-def _ray_requests_by_replica(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _by_replica(text: str, prefix: str, replica: str | None = None):
+    """{replica: {"requests": ended requests, "ttft": first tokens timed}} from a metrics page;
+    ``replica`` names the page's replica when its series carry no ``replica`` label."""
+    wanted = {
+        f"{prefix}rlt_hal_requests_total": "requests",
+        f"{prefix}rlt_hal_time_to_first_token_seconds_count": "ttft",
+    }
+    out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "ray_rlt_hal_requests_total":
-                replica = sample.labels["replica"]
-                out[replica] = out.get(replica, 0.0) + sample.value
+            if sample.name in wanted:
+                figures = out.setdefault(replica or sample.labels["replica"], {})
+                key = wanted[sample.name]
+                figures[key] = figures.get(key, 0.0) + sample.value
     return out
 
 

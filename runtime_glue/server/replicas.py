@@ -65,6 +65,13 @@ def device_kind(device: str | None, cluster: Mapping[str, float]) -> str:
     return name
 
 
+def cpus_per_replica(given: float | None) -> float:
+    cpus = 1.0 if given is None else float(given)
+    if cpus <= 0:
+        raise ValueError(f"cpus_per_replica must be > 0, got {given}")
+    return cpus
+
+
 def actor_options(device: str, cpus_per_replica: float) -> dict:
     """What one replica asks Ray for: one device of its kind and some CPU cores."""
     options: dict = {"num_cpus": cpus_per_replica}
@@ -139,8 +146,8 @@ class MetricsMirror:
 
         for family in self.registry.collect():
             for sample in family.samples:
-                if not sample.name.startswith("rlt_hal_"):
-                    continue
+                if not sample.name.startswith("rlt_hal_") or sample.name.endswith("_created"):
+                    continue  # process and platform series are Ray's own; _created means nothing
                 gauge = self._gauges.get(sample.name)
                 if gauge is None:
                     gauge = self._gauges[sample.name] = Gauge(
@@ -185,7 +192,7 @@ def build_application(args: Mapping):
     """
     given = dict(args)
     replicas = int(given.pop("replicas", 1))
-    cpus = float(given.pop("cpus_per_replica", 1))
+    cpus = cpus_per_replica(given.pop("cpus_per_replica", None))
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     options = serve_options(**given)
@@ -222,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         cluster = ray.cluster_resources()
         device = device_kind(args.device, cluster)
-        check_capacity(device, args.replicas, args.cpus_per_replica, cluster)
+        check_capacity(device, args.replicas, cpus_per_replica(args.cpus_per_replica), cluster)
         options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
         serve.run(build_application({**options, "device": device}), name=APP_NAME)
         print(
