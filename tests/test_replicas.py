@@ -1,6 +1,7 @@
 """``rlt-hal serve --replicas N`` on Ray Serve: two CPU replicas of the tiny checkpoint behind one
 loopback endpoint, driven by the official openai client (make test-ray, a venv with the ray
-extra). Without Ray installed only the first test runs: ``--replicas`` says what to install."""
+extra). Without Ray installed, the tests of the command line still run: ``--replicas`` says
+what to install."""
 
 from __future__ import annotations
 
@@ -34,27 +35,24 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4 5"]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
 
 
-@pytest.mark.skipif(HAS_RAY, reason="ray is installed here")
-def test_replicas_without_ray_say_what_to_install(tiny_ckpt):
-    proc = subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", "serve", "--model", str(tiny_ckpt)]
-        + ["--replicas", "2", "--device", "cpu"],
+def _serve_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime_glue.cli", "serve", *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.skipif(HAS_RAY, reason="ray is installed here")
+def test_replicas_without_ray_say_what_to_install(tiny_ckpt):
+    proc = _serve_cli("--model", str(tiny_ckpt), "--replicas", "2", "--device", "cpu")
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'rlt-hal[ray]'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_ray_options_without_replicas_are_refused(tiny_ckpt):
-    proc = subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", "serve", "--model", str(tiny_ckpt)]
-        + ["--ray-address", "auto"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _serve_cli("--model", str(tiny_ckpt), "--ray-address", "auto")
     assert proc.returncode == 2
     assert "--ray-address: Ray options, for serve --replicas N only" in proc.stderr, proc.stderr
 

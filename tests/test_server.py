@@ -363,3 +363,50 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(tiny_ckpt):
     assert proc.stop(signal.SIGTERM) == 0
     t.join(30)
     assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] == 40
+
+
+def test_a_dead_engine_loop_fails_requests_and_health_with_503(tiny_ckpt):
+    """What a lost device does to the loop thread, injected (no device can be lost here): the
+    request in flight, later requests and /health all get a 503 at once, streams included."""
+    import uvicorn
+
+    from runtime_glue.server.app import Server, build_app
+    from tests.server_helpers import free_port
+
+    local = LLM(tiny_ckpt, block_size=16, num_blocks=64)  # its own: this one is left broken
+    server = Server(local, "toy")
+    stepped = threading.Event()
+    real_step = local.engine.step
+
+    def step_then_lose_the_device():
+        if stepped.is_set():
+            raise RuntimeError("device lost")
+        stepped.set()
+        return real_step()
+
+    local.engine.step = step_then_lose_the_device
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(build_app(server), port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not http.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        body = {**GOOD, "max_tokens": 8, "ignore_eos": True}
+        first = httpx.post(base + "/v1/completions", json=body, timeout=30)
+        assert first.status_code == 503
+        error = first.json()["error"]
+        assert error["code"] == "engine_failed" and "RuntimeError: device lost" in error["message"]
+        assert httpx.post(base + "/v1/completions", json=body, timeout=5).status_code == 503
+        assert httpx.get(base + "/health", timeout=5).status_code == 503
+        with httpx.stream(
+            "POST", base + "/v1/completions", json={**body, "stream": True}, timeout=5
+        ) as stream:
+            assert stream.status_code == 503
+        registry = server.loop.metrics.registry
+        assert registry.get_sample_value("rlt_hal_requests_total", {"status": "error"}) == 1
+    finally:
+        http.should_exit = True
+        thread.join(30)

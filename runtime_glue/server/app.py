@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime_glue.engine import InvalidRequest
 from runtime_glue.request import RequestOutput
 from runtime_glue.server import DEFAULT_MAX_REQUEST_BYTES
-from runtime_glue.server.engine_loop import EngineLoop
+from runtime_glue.server.engine_loop import EngineFailed, EngineLoop
 from runtime_glue.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -74,6 +74,7 @@ class Server:
             )
 
     def prepare(self, body, prompt_ids: list[int]):
+        self.loop.check()  # a dead engine answers 503 before a response (or stream) begins
         if body.model != self.model_name:
             raise ApiError(
                 404,
@@ -122,9 +123,12 @@ class Server:
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return
+                    self.loop.check()  # a request queued as the loop died is answered too
                     continue
                 if item is None:
                     raise ApiError(503, "the server is shutting down", "server_error")
+                if isinstance(item, EngineFailed):
+                    raise item
                 if isinstance(item, Exception):
                     raise ApiError(400, str(item))
                 finished = item.finished
@@ -221,6 +225,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _install_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health():
+        server.loop.check()  # 503 once the engine loop has died: time to replace this server
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -18,8 +18,16 @@ from runtime_glue.engine import Engine
 from runtime_glue.request import RequestOutput
 from runtime_glue.sampling import SamplingParams
 from runtime_glue.server.metrics import Metrics
+from runtime_glue.server.protocol import ApiError
 
 logger = logging.getLogger(__name__)
+
+
+class EngineFailed(ApiError):
+    """The engine loop stopped on an error: this server cannot generate any more (503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "server_error", code="engine_failed")
 
 
 class EngineLoop:
@@ -30,6 +38,12 @@ class EngineLoop:
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlt-hal-engine", daemon=True)
+        self.failure: EngineFailed | None = None  # set once, if the loop dies
+
+    def check(self) -> None:
+        """Raise ``EngineFailed`` if the loop has died (health checks, request handlers)."""
+        if self.failure is not None:
+            raise self.failure
 
     def start(self) -> None:
         self._thread.start()
@@ -52,6 +66,21 @@ class EngineLoop:
     # -- the loop thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        # A failed step fails its requests inside Engine.step; what escapes it (the device
+        # lost while synchronising, a bug in scheduling) ends the loop. Every request waiting
+        # on it then gets the error, and so do the handlers and health checks that ask later.
+        try:
+            self._serve()
+        except Exception as exc:
+            logger.exception("the engine loop stopped")
+            self.failure = EngineFailed(
+                f"the engine stopped on {type(exc).__name__}: {exc}; restart the server"
+            )
+            for rid in list(self._sinks):
+                self._finish_metrics("error")
+                self._send(rid, self.failure)
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():

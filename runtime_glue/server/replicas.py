@@ -176,6 +176,10 @@ class Replica:
         self.mirror = MetricsMirror(self.server.loop.metrics.registry)
         print(f"replica {self.replica}: {llm.driver.label}", file=sys.stderr)
 
+    def check_health(self) -> None:
+        """Serve calls this every 10 s: a replica whose engine loop died is replaced."""
+        self.server.loop.check()
+
     def __serve_build_asgi_app__(self):
         return ReplicaHeader(build_app(self.server), self.replica)
 
