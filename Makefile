@@ -62,8 +62,8 @@ test-torch-npu: $(STAMP)
 	$(TORCH_NPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_npu_package.py
 
 # rlt-hal serve --replicas on Ray Serve, in a venv of its own with the ray extra: two CPU
-# replicas of a tiny checkpoint on loopback (the main venv has no Ray, and tests that
-# --replicas says what to install).
+# replicas of a tiny checkpoint on loopback. The main venv stays without Ray, where make test
+# checks that --replicas says what to install.
 RAY_VENV := .venv-ray
 
 test-ray: $(STAMP)

@@ -35,3 +35,36 @@ def test_the_cpu_weight_buffer_is_aligned_for_huge_pages():
     assert buf.data_ptr() % HUGE_PAGE == 0 and buf.numel() == 3 * HUGE_PAGE + 5
     buf.fill_(1.5)  # writable all the way to the end
     assert buf[-1].item() == 1.5
+
+
+def test_processes_that_write_the_embedded_checkpoint_together_all_get_a_whole_one(tmp_path):
+    """The replicas of `serve --replicas N` start together and each writes the embedded
+    checkpoint on first use: each copy is staged aside and renamed in, so every process gets
+    the whole checkpoint and no staging directory is left."""
+    import os
+    import subprocess
+    import sys
+
+    from runtime_glue.config import OuroConfig
+
+    code = (
+        "from runtime_glue.toy import cached_checkpoint\n"
+        "from runtime_glue.checkpoint import expected_tensors\n"
+        "from runtime_glue.config import OuroConfig\n"
+        "from safetensors import safe_open\n"
+        "path = cached_checkpoint('tiny')\n"
+        "names = set()\n"
+        "for f in path.glob('*.safetensors'):\n"
+        "    with safe_open(str(f), 'pt') as s: names |= set(s.keys())\n"
+        "assert set(expected_tensors(OuroConfig.from_dir(path))) <= names\n"
+        "print(path)\n"
+    )
+    env = {**os.environ, "RLT_HAL_CACHE": str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1 and OuroConfig.from_dir(tmp_path / "toy-tiny-seed0").num_hidden_layers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy-tiny-seed0"]
