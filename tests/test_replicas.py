@@ -246,7 +246,7 @@ def _replica_processes(server):
 
 
 @needs_ray
-def test_a_killed_replica_is_restarted_and_the_endpoint_keeps_serving(cluster, client):
+def test_a_killed_replica_is_restarted_and_the_endpoint_keeps_serving(cluster, client, capsys):
     victims = _replica_processes(cluster)
     assert len(victims) == 2, victims
     before = set(cluster.seen)
@@ -286,7 +286,8 @@ def test_a_killed_replica_is_restarted_and_the_endpoint_keeps_serving(cluster, c
     for t in clients:
         t.join(70)
     newcomers = set(served[killed_at:]) - before
-    print(f"replica killed mid-run: {len(served)} served, {len(errors)} client errors {errors}")
+    with capsys.disabled():  # reported in every run, passed or not
+        print(f"\nreplica killed mid-run: {len(served)} served, {len(errors)} client errors")
     assert newcomers, f"no replacement replica answered within 120 s; errors: {errors[:5]}"
     # Only what was in flight on the killed replica may fail: at most one per client.
     assert len(errors) <= len(clients), errors
