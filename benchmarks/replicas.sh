@@ -45,12 +45,12 @@ $PY - "$out" "$N" "$ROUNDS" "$CORES" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 
+from runtime_glue.bench.engine_bench import machine
+
 out, n, rounds, cores = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags")
-                for f in line.split() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")})
 configs = {"engine": "rlt-hal serve (no Ray)", "replicas-1": "Ray Serve, 1 replica",
            f"replicas-{n}": f"Ray Serve, {n} replicas"}
-report = {"cpu_flags": flags, "cores": cores, "rounds": rounds, "configs": {}}
+report = {"machine": machine(), "cores": cores, "rounds": rounds, "configs": {}}
 for name, label in configs.items():
     levels = [json.loads((out / f"{name}-{r}.json").read_text())["levels"][0]
               for r in range(1, rounds + 1)]
@@ -73,5 +73,6 @@ for v in c.values():
     print(f"| {v['label']} | {v['median_output_tok_s']:.1f} | {v['median_ttft_p50_s']:.3f} "
           f"| {v['errors']} |")
 print(f"{n} replicas / 1 replica: {report[f'ratio_{n}_replicas_vs_1']:.2f}x; "
-      f"/ no Ray: {report[f'ratio_{n}_replicas_vs_engine']:.2f}x ({cores} cores, {flags})")
+      f"/ no Ray: {report[f'ratio_{n}_replicas_vs_engine']:.2f}x "
+      f"({cores} cores, {' '.join(report['machine']['cpu_flags'])})")
 EOF

@@ -270,11 +270,10 @@ class OuroModel:
     def _exit_logits(self, hs, gates, step: StepInputs, modes, early):
         T, R = len(hs), len(modes)
         device = hs[0].device
-        chosen = torch.full((R,), T - 1, dtype=torch.int64, device=device)
+        # Fixed loops known on the host, copied once (not a device write per row).
+        fixed = [m.step if m.step is not None else T - 1 for m in modes]
+        chosen = torch.tensor(fixed, dtype=torch.int64, device=device)
         pdf = self._pdf(gates, step) if gates else None
-        for r, mode in enumerate(modes):
-            if mode.kind == "step":
-                chosen[r] = mode.step
         for q in {m.threshold for m in modes if m.kind == "threshold"}:
             rows_q = [r for r, m in enumerate(modes) if m.kind == "threshold" and m.threshold == q]
             picked = torch.tensor(rows_q, device=device)

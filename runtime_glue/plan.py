@@ -37,9 +37,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from hal.kernels import (
-    Kernel,
-)
+from hal.kernels import Kernel
 from runtime_glue.exits import ExitMode
 
 KINDS = ("prompt", "generated")
@@ -166,7 +164,7 @@ def row_tiled(fn: Callable[..., torch.Tensor], tiles: tuple[int, ...]) -> Callab
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     if x.is_contiguous() and x.data_ptr() % ALIGN == 0:
         return x
-    return x.contiguous().clone()
+    return x.clone(memory_format=torch.contiguous_format)  # one copy, freshly allocated
 
 
 def on_halves(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:

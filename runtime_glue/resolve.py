@@ -342,7 +342,7 @@ def _candidates(driver: Driver, op: str, linear: str | None) -> tuple[list[Kerne
         why = kernel.available()
         if why is None:
             usable.append(kernel)
-        elif f"{kernel.op} {kernel.name}" not in " ".join(notes):
+        else:
             notes.append(f"{kernel.op} {kernel.name} cannot run here: {why}")
     return usable, notes
 

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime_glue.llm import LLM
 from runtime_glue.sampling import SamplingParams
+from tests.helpers import rlt_hal
 from tests.server_helpers import ServerProcess, free_port
 
 HAS_RAY = importlib.util.find_spec("ray") is not None
@@ -35,24 +36,15 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "1 2 3 4 5"]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")
 
 
-def _serve_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 @pytest.mark.skipif(HAS_RAY, reason="ray is installed here")
 def test_replicas_without_ray_say_what_to_install(tiny_ckpt):
-    proc = _serve_cli("--model", str(tiny_ckpt), "--replicas", "2", "--device", "cpu")
+    proc = rlt_hal("serve", "--model", str(tiny_ckpt), "--replicas", "2", "--device", "cpu")
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'rlt-hal[ray]'" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_ray_options_without_replicas_are_refused(tiny_ckpt):
-    proc = _serve_cli("--model", str(tiny_ckpt), "--ray-address", "auto")
+    proc = rlt_hal("serve", "--model", str(tiny_ckpt), "--ray-address", "auto")
     assert proc.returncode == 2
     assert "--ray-address: Ray options, for serve --replicas N only" in proc.stderr, proc.stderr
 

@@ -61,9 +61,8 @@ def _compiler() -> str:
     return cc
 
 
-def _library_path(cc: str, sources: list[Path]) -> Path:
-    files = sorted((*sources, *CSRC.glob("*.h")))
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in files) + " ".join((cc, *FLAGS)).encode())
+def _library_path(cc: str) -> Path:
+    key = hashlib.sha256(" ".join((VERSION, cc, *FLAGS)).encode())
     return cache_dir() / "kernels" / f"rlt_cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -94,7 +93,7 @@ def library():
 
     cc = _compiler()
     sources = _sources()
-    path = _library_path(cc, sources)
+    path = _library_path(cc)
     if not path.is_file():
         _build(cc, sources, path)
     ffi = cffi.FFI()

@@ -115,28 +115,37 @@ def _emit(args, report: dict, table: str) -> int:
     return 0
 
 
+def _emit_model(args, report: dict, table: str) -> int:
+    """``_emit`` for a benchmark of a checkpoint: the report names the preset it ran, if any."""
+    report["preset"] = None if args.model else args.preset
+    return _emit(args, report, table)
+
+
+def _load_tokens(args) -> int:
+    """Tokens the pool must hold for ``--concurrency`` prompts of the load arguments at once."""
+    return args.concurrency * (args.input_len + args.output_len + args.block_size)
+
+
 def cmd_latency(args) -> int:
     from runtime_glue.bench.engine_bench import latency, markdown_latency
 
     llm = _llm(args, max(args.input_lens) + args.output_len + 8)
     report = latency(llm, args.input_lens, args.output_len, args.runs, args.warmup)
-    report["preset"] = None if args.model else args.preset
-    return _emit(args, report, markdown_latency(report))
+    return _emit_model(args, report, markdown_latency(report))
 
 
 def cmd_baseline(args) -> int:
     from runtime_glue.bench.engine_bench import baseline, markdown_baseline
 
-    llm = _llm(args, args.concurrency * (args.input_len + args.output_len + args.block_size))
+    llm = _llm(args, _load_tokens(args))
     report = baseline(llm, args.input_len, args.output_len, args.runs, args.concurrency)
-    report["preset"] = None if args.model else args.preset
-    return _emit(args, report, markdown_baseline(report))
+    return _emit_model(args, report, markdown_baseline(report))
 
 
 def cmd_determinism(args) -> int:
     from runtime_glue.bench.engine_bench import determinism_cost, markdown_determinism
 
-    tokens = args.concurrency * (args.input_len + args.output_len + args.block_size)
+    tokens = _load_tokens(args)
     args.linear = args.linear or "torch"  # the same kernel both ways: the cost of the mode only
     args.deterministic = False
     default = _llm(args, tokens)
@@ -145,15 +154,14 @@ def cmd_determinism(args) -> int:
     report = determinism_cost(
         default, deterministic, args.input_len, args.output_len, args.runs, args.concurrency
     )
-    report["preset"] = None if args.model else args.preset
-    return _emit(args, report, markdown_determinism(report))
+    return _emit_model(args, report, markdown_determinism(report))
 
 
 def cmd_plans(args) -> int:
     """Every plan shares one load of the weights and one KV pool."""
     from runtime_glue.bench.engine_bench import compare_plans, markdown_plans
 
-    llm = _llm(args, args.concurrency * (args.input_len + args.output_len + args.block_size))
+    llm = _llm(args, _load_tokens(args))
     variants = {"default": llm}
     for kernel in llm.driver.kernels_for("linear"):
         try:
@@ -164,18 +172,15 @@ def cmd_plans(args) -> int:
     report = compare_plans(
         llm, variants, args.input_len, args.output_len, args.runs, args.concurrency
     )
-    report["preset"] = None if args.model else args.preset
-    return _emit(args, report, markdown_plans(report))
+    return _emit_model(args, report, markdown_plans(report))
 
 
 def cmd_adaptive(args) -> int:
     from runtime_glue.bench.engine_bench import adaptive_depth, markdown_adaptive
 
-    tokens = args.concurrency * (args.input_len + args.output_len + args.block_size)
-    llm = _llm(args, tokens, exit_threshold=args.exit_threshold)
+    llm = _llm(args, _load_tokens(args), exit_threshold=args.exit_threshold)
     report = adaptive_depth(llm, args.input_len, args.output_len, args.runs, args.concurrency)
-    report["preset"] = None if args.model else args.preset
-    return _emit(args, report, markdown_adaptive(report))
+    return _emit_model(args, report, markdown_adaptive(report))
 
 
 def cmd_detokenize(args) -> int:

@@ -200,7 +200,7 @@ def _replay(messages):
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request, exc: ApiError):
-        return _json_error(exc.status, str(exc), exc.type, exc.param, exc.code)
+        return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request, exc: RequestValidationError):

@@ -26,6 +26,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type_, param, code
 
+    def body(self) -> dict:
+        """The OpenAI error object, as a JSON response or an SSE event carries it."""
+        return error_body(str(self), self.type, self.param, self.code)
+
 
 class UnsupportedValue(ValueError):
     def __init__(self, param: str, message: str) -> None:

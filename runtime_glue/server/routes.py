@@ -100,7 +100,7 @@ async def _stream(outputs, head: dict, shape: _Shape, include_usage: bool, exit_
                     steps_sent = len(out.exit_steps)
                 yield _sse({**chunk, "choices": [choice]})
     except ApiError as exc:
-        yield _sse(error_body(str(exc), exc.type, exc.param, exc.code))
+        yield _sse(exc.body())
     if include_usage and last is not None:
         yield _sse({**chunk, "choices": [], "usage": _usage(last)})
     yield "data: [DONE]\n\n"
