@@ -171,6 +171,11 @@ def test_greedy_completions_and_streams_through_ray_equal_llm_generate(tiny_ckpt
 
 
 @needs_ray
+def test_the_models_route_answers_through_ray(client):
+    assert [m.id for m in client.models.list()] == ["toy"]
+
+
+@needs_ray
 def test_requests_are_spread_over_both_replicas_and_each_counts_its_own(cluster):
     names: list[str] = []
 
@@ -346,3 +351,37 @@ def test_serve_run_deploys_the_config_example(tiny_ckpt, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@needs_ray
+def test_a_joined_cluster_keeps_running_when_the_command_stops(tiny_ckpt):
+    """--ray-address: the command deploys onto a cluster `ray start` began, and on exit deletes
+    its application only."""
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    port, env = free_port(), {**os.environ, **RAY_ENV}
+    head = [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}"]
+    head += ["--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats"]
+    started = subprocess.run(head, env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    address = f"127.0.0.1:{port}"
+    try:
+        server = ServerProcess(
+            tiny_ckpt, "--replicas", "1", "--device", "cpu", "--ray-address", address, env=RAY_ENV
+        )
+        try:
+            reply = httpx.post(
+                server.base + "/v1/completions",
+                json={"model": "toy", "prompt": "hi", "max_tokens": 3},
+                timeout=60,
+            )
+            assert reply.status_code == 200 and reply.headers[HEADER]
+        finally:
+            assert server.stop(signal.SIGTERM) == 0, server.output()[-3000:]
+        status = subprocess.run(
+            [ray_cli, "status", f"--address={address}"], env=env, capture_output=True, text=True
+        )
+        assert status.returncode == 0, status.stderr  # the cluster outlived the command
+        # Serve's proxy still answers on the port, but the rlt-hal application is gone.
+        assert httpx.get(server.base + "/health", timeout=10).status_code == 404
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)

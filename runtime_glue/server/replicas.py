@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Mapping
@@ -212,10 +213,12 @@ def build_application(args: Mapping):
     return deployment.bind(options)
 
 
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> int:
     """``rlt-hal serve --replicas N``: start (or join) a Ray cluster, deploy, wait for a signal."""
-    import signal
-
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     joined = args.ray_address is not None
@@ -229,6 +232,11 @@ def run(args: argparse.Namespace) -> int:
         logging_level=logging.WARNING,
         _metrics_export_port=args.ray_metrics_export_port,
     )
+    # After ray.init, whose own SIGTERM handler would abort the process: SIGINT and SIGTERM
+    # interrupt whatever runs, deploying included, and the cleanup below runs either way.
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in stop_signals:
+        signal.signal(sig, _interrupt)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         cluster = ray.cluster_resources()
@@ -242,12 +250,13 @@ def run(args: argparse.Namespace) -> int:
             f"{'joined ' + args.ray_address if joined else 'a local Ray cluster'})",
             file=sys.stderr,
         )
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
         print("shutting down the replicas", file=sys.stderr)
     finally:
+        for sig in stop_signals:  # the cleanup itself is not interrupted
+            signal.signal(sig, signal.SIG_IGN)
         # A cluster we started goes with us; on a joined one only our application does.
         if joined:
             serve.delete(APP_NAME)
