@@ -22,7 +22,8 @@ from hal.interfaces import (
 )
 from hal.kernels import Kernel, KernelUnavailable
 from hal.registry import DEVICE_ENV_VAR, Registry, Selection, default_registry, parse_device
-from hal.types import AttentionMetadata, DriverSpec, KVLayout, ProbeResult
+from hal.spec import DriverSpec, ProbeResult
+from hal.types import AttentionMetadata, KVLayout
 
 __all__ = [
     "DEVICE_ENV_VAR",

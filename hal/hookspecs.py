@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from hal.types import DriverSpec
+    from hal.spec import DriverSpec
 
 PROJECT_NAME = "rlt_hal"
 

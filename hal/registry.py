@@ -18,7 +18,7 @@ import pluggy
 
 from hal import hookspecs
 from hal.interfaces import Driver
-from hal.types import DriverSpec, ProbeResult
+from hal.spec import DriverSpec, ProbeResult
 
 logger = logging.getLogger(__name__)
 

@@ -2,38 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import attrs
 import torch
-
-if TYPE_CHECKING:
-    from hal.interfaces import Driver
-
-
-@attrs.frozen
-class ProbeResult:
-    """Whether a driver can run here; ``reason`` says why not (and what to install or set)."""
-
-    available: bool
-    reason: str = ""
-    # An emulated driver (a test double for absent hardware) is never chosen by ``auto``.
-    emulated: bool = False
-
-
-@attrs.frozen
-class DriverSpec:
-    """What a plugin hands to the registry.
-
-    ``probe`` must be cheap and must never import a vendor stack; ``create`` builds the driver
-    (still without touching the device: the device initialises lazily).
-    """
-
-    name: str
-    probe: Callable[[], ProbeResult]
-    create: Callable[..., Driver]
-    description: str = ""
 
 
 @attrs.frozen

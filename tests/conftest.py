@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from runtime_glue.config import OuroConfig
-from runtime_glue.toy import preset_config, write_checkpoint
+from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.toy import preset_config, write_checkpoint
 from tests.server_helpers import ServerProcess
 
 

@@ -9,9 +9,9 @@ import sys
 import torch
 
 from hal.eager import EagerBackend
-from runtime_glue.config import OuroConfig
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.config import OuroConfig
 from tests.reference.ouro_hf import OuroReference
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -30,7 +30,10 @@ def reference_run(model_dir, prompt: tuple[int, ...], max_new: int):
 def rlt_hal(*args: str, env=None) -> subprocess.CompletedProcess:
     """Run ``rlt-hal ARGS...`` in a fresh process, as a user would; output captured as text."""
     return subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", *args], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "runtime_glue.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
     )
 
 

@@ -27,7 +27,7 @@ class ServerProcess:
         cmd = [
             sys.executable,
             "-m",
-            "runtime_glue.cli",
+            "runtime_glue.cli.main",
             "serve",
             "--model",
             str(model_dir),

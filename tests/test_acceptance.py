@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hal.eager import EagerBackend
-from runtime_glue.acceptance import acceptance
-from runtime_glue.evaluation import (
+from runtime_glue.checks.acceptance import acceptance
+from runtime_glue.checks.evaluation import (
     LLMSide,
     ReferenceSide,
     evaluate,
@@ -19,8 +19,8 @@ from runtime_glue.evaluation import (
     normalize,
     sample_questions,
 )
-from runtime_glue.llm import LLM
-from runtime_glue.reference import OuroReference
+from runtime_glue.checks.reference import OuroReference
+from runtime_glue.engine.llm import LLM
 from tests.helpers import PerturbedBackend, registry_with, rlt_hal
 
 SMALL = dict(limit=4, max_tokens=6, prompt_len=20)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hal.interfaces import Fence
 from hal.types import AttentionMetadata
-from runtime_glue.kv_manager import BlockAllocator
+from runtime_glue.engine.kv_manager import BlockAllocator
 
 
 class _Fence(Fence):

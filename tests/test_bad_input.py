@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime_glue.checkpoint import CheckpointError
-from runtime_glue.config import OuroConfig
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.checkpoint import CheckpointError
+from runtime_glue.ouro.config import OuroConfig
 from tests.helpers import rlt_hal
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"

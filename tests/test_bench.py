@@ -152,8 +152,8 @@ def test_bench_detokenize_times_both_ways_at_each_length(tmp_path):
 def test_the_floors_count_every_weight_a_step_reads_and_every_flop_of_a_prefill(tiny_ckpt):
     # Counted from the checkpoint's own safetensors headers, not from the formulas.
     from runtime_glue.bench import floors
-    from runtime_glue.checkpoint import index_checkpoint
-    from runtime_glue.config import OuroConfig
+    from runtime_glue.ouro.checkpoint import index_checkpoint
+    from runtime_glue.ouro.config import OuroConfig
 
     cfg = OuroConfig.from_dir(tiny_ckpt)
     entries = index_checkpoint(tiny_ckpt)

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from drivers.cpu.driver import HUGE_PAGE, CpuDevice
-from runtime_glue.checkpoint import STACKED, load_weights
+from runtime_glue.ouro.checkpoint import STACKED, load_weights
 
 
 def test_every_tensor_is_loaded_and_stacked_weights_are_views_of_their_members(
@@ -45,12 +45,12 @@ def test_processes_that_write_the_embedded_checkpoint_together_all_get_a_whole_o
     import subprocess
     import sys
 
-    from runtime_glue.config import OuroConfig
+    from runtime_glue.ouro.config import OuroConfig
 
     code = (
-        "from runtime_glue.toy import cached_checkpoint\n"
-        "from runtime_glue.checkpoint import expected_tensors\n"
-        "from runtime_glue.config import OuroConfig\n"
+        "from runtime_glue.ouro.toy import cached_checkpoint\n"
+        "from runtime_glue.ouro.checkpoint import expected_tensors\n"
+        "from runtime_glue.ouro.config import OuroConfig\n"
         "from safetensors import safe_open\n"
         "path = cached_checkpoint('tiny')\n"
         "names = set()\n"

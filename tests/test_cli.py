@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 from tests.helpers import rlt_hal
 
 

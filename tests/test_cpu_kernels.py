@@ -21,9 +21,9 @@ from hal.kernels import (
 )
 from hal.testing.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVLayout
-from runtime_glue.llm import LLM
-from runtime_glue.model import OuroModel, StepInputs
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.model import OuroModel, StepInputs
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 
@@ -259,13 +259,13 @@ def test_stacked_projections_give_the_bits_of_separate_calls(wide):
 
 
 def _weights(llm):
-    from runtime_glue.checkpoint import load_weights
+    from runtime_glue.ouro.checkpoint import load_weights
 
     return load_weights(llm.model_dir, llm.config, llm.driver.device)
 
 
 def test_the_plan_chooses_the_fastest_of_the_kernels_it_measured(tiny_ckpt):
-    from runtime_glue.plan import hal_op
+    from runtime_glue.ouro.plan import hal_op
 
     llm = LLM(tiny_ckpt, device="cpu", num_blocks=4)
     for kind in ("prompt", "generated"):

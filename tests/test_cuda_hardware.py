@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_glue.config import OuroConfig
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.config import OuroConfig
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 from tests.reference.ouro_hf import OuroReference

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 
@@ -74,7 +74,7 @@ def test_requests_joining_and_leaving_a_batch_get_the_bits_they_get_alone(
 
 
 def test_with_the_mode_off_chunking_stays_within_the_engines_tolerance(checkpoints):
-    from runtime_glue.parity import compare
+    from runtime_glue.checks.parity import compare
     from tests.test_engine import LOGIT_TOLERANCE
 
     name = "gqa-h256-d32-L3-T4"
@@ -208,7 +208,7 @@ def test_the_check_finds_a_summation_order_that_differs_in_one_call_shape():
 
 
 def test_the_plan_is_resolved_once_and_names_every_op(tiny_ckpt):
-    from runtime_glue.plan import KINDS, OPS, hal_op
+    from runtime_glue.ouro.plan import KINDS, OPS, hal_op
 
     llm = LLM(tiny_ckpt, device="cpu", num_blocks=4)
     plan = llm.plan

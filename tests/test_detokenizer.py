@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime_glue.detokenizer import IncrementalDetokenizer
-from runtime_glue.tokenizer import load_tokenizer
+from runtime_glue.engine.detokenizer import IncrementalDetokenizer
+from runtime_glue.engine.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

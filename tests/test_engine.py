@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from hal.interfaces import Fence
-from runtime_glue.llm import LLM
-from runtime_glue.parity import within_tolerance
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.checks.parity import within_tolerance
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import GREEDY, prompt_of, request_slots
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_glue import exits
-from runtime_glue.config import OuroConfig
-from runtime_glue.llm import LLM
-from runtime_glue.parity import within_tolerance
-from runtime_glue.reference import OuroReference
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.checks.parity import within_tolerance
+from runtime_glue.checks.reference import OuroReference
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro import exits
+from runtime_glue.ouro.config import OuroConfig
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of, request_slots
 
@@ -104,7 +104,7 @@ def test_a_planted_error_in_the_exit_distribution_is_caught(gqa256, monkeypatch)
         return torch.cat((pdf[..., :-1], pdf[..., -1:] * torch.sigmoid(gates[-1])[..., None]), -1)
 
     exits.exit_pdf.__wrapped__ = exits.exit_pdf  # the original, for the planted version
-    import runtime_glue.model as model_module
+    import runtime_glue.ouro.model as model_module
 
     monkeypatch.setattr(model_module, "exit_pdf", last_loop_without_the_remainder)
     llm = LLM(gqa256, block_size=16, num_blocks=16, deterministic=False)

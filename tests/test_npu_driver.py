@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 from drivers.npu.driver import NpuDevice, create
 from drivers.npu.emulation import EmulatedTorchNpu
 from hal.types import KVLayout
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 from tests.helpers import GREEDY, prompt_of, rlt_hal
 
 
@@ -54,13 +54,13 @@ def test_probing_listing_and_selecting_cpu_never_import_torch_npu(tmp_path, tiny
         probes = dict((s.name, p) for s, p in reg.probe_all())
         npu = probes["npu"]  # found by find_spec, not imported; no CANN here
         assert not npu.available and "set_env.sh" in npu.reason, npu
-        from runtime_glue.llm import LLM
+        from runtime_glue.engine.llm import LLM
         LLM({str(tiny_ckpt)!r}, device="cpu", num_blocks=2).generate([[5, 6]])
         assert "torch_npu" not in sys.modules
     """)
     for cmd in (
         [sys.executable, "-c", script],
-        [sys.executable, "-m", "runtime_glue.cli", "drivers"],
+        [sys.executable, "-m", "runtime_glue.cli.main", "drivers"],
     ):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr

@@ -13,12 +13,12 @@ import os
 import pytest
 import torch
 
-from runtime_glue.acceptance import DEFAULT_TOLERANCE, acceptance
-from runtime_glue.config import OuroConfig
-from runtime_glue.llm import LLM
-from runtime_glue.parity import within_tolerance
-from runtime_glue.reference import OuroReference
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.checks.acceptance import DEFAULT_TOLERANCE, acceptance
+from runtime_glue.checks.parity import within_tolerance
+from runtime_glue.checks.reference import OuroReference
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.config import OuroConfig
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime_glue.llm import LLM
+from runtime_glue.engine.llm import LLM
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of, reference_run, run_parity_case
 
@@ -44,8 +44,8 @@ def test_prompts_at_page_boundaries_match_the_reference(checkpoints, driver_name
 
 
 def test_a_sharded_checkpoint_gives_the_same_tokens_as_a_single_file(checkpoints, tmp_path):
-    from runtime_glue.config import OuroConfig
-    from runtime_glue.toy import write_checkpoint
+    from runtime_glue.ouro.config import OuroConfig
+    from runtime_glue.ouro.toy import write_checkpoint
 
     single = checkpoints("tiny")
     sharded = write_checkpoint(tmp_path / "sharded", OuroConfig.from_dir(single), seed=0, shards=3)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from runtime_glue.llm import LLM
-from runtime_glue.parity import compare
+from runtime_glue.checks.parity import compare
+from runtime_glue.engine.llm import LLM
 from tests.helpers import PerturbedBackend, prompt_of, registry_with, rlt_hal
 
 

@@ -1,4 +1,4 @@
-"""Prefix caching and pages on demand (runtime_glue.kv_manager, runtime_glue.engine).
+"""Prefix caching and pages on demand (runtime_glue.engine.kv_manager, runtime_glue.engine.core).
 
 In deterministic mode a cached prefix gives exactly the bits of computing it again, so every
 engine test here compares bits with requests run alone with caching off. The pages are audited
@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime_glue.kv_manager import BlockAllocator
-from runtime_glue.llm import LLM
-from runtime_glue.parity import within_tolerance
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.checks.parity import within_tolerance
+from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 from tests.test_allocator import _Fence
@@ -350,7 +350,7 @@ def test_a_pool_too_small_for_eight_completes_them_through_preemption(checkpoint
 
 
 def test_a_request_that_can_never_fit_is_still_refused_with_both_numbers(tiny_ckpt):
-    from runtime_glue.engine import InvalidRequest
+    from runtime_glue.engine.core import InvalidRequest
 
     llm = _llm(tiny_ckpt, num_blocks=4)
     with pytest.raises(InvalidRequest, match=r"needs 70 tokens .* holds 64 tokens"):

@@ -105,7 +105,7 @@ def test_parse_device_rejects_malformed_names(text):
 def test_the_cli_lists_every_driver_with_its_availability():
     env = {k: v for k, v in os.environ.items() if k != "RLT_HAL_NPU_EMULATE"}
     out = subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", "drivers", "--json"],
+        [sys.executable, "-m", "runtime_glue.cli.main", "drivers", "--json"],
         capture_output=True,
         text=True,
         check=True,
@@ -117,7 +117,7 @@ def test_the_cli_lists_every_driver_with_its_availability():
 
 
 def test_an_explicit_unknown_backend_fails_loudly(tiny_ckpt):
-    from runtime_glue.llm import LLM
+    from runtime_glue.engine.llm import LLM
 
     with pytest.raises(ValueError, match="'ascend_eager' is not offered by driver 'cpu'"):
         LLM(tiny_ckpt, device="cpu", attention_backend="ascend_eager")
@@ -143,7 +143,7 @@ def test_a_broken_plug_in_is_listed_with_its_error_and_the_others_still_work(tmp
     env = _install_broken_plugins(tmp_path)
     env.pop("RLT_HAL_NPU_EMULATE", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "runtime_glue.cli", "drivers", "--json"],
+        [sys.executable, "-m", "runtime_glue.cli.main", "drivers", "--json"],
         capture_output=True,
         text=True,
         env=env,
@@ -159,7 +159,7 @@ def test_a_broken_plug_in_is_listed_with_its_error_and_the_others_still_work(tmp
     assert not rows["raises-in-hook"]["available"]
     assert "RuntimeError: no licence for the widget accelerator" in rows["raises-in-hook"]["reason"]
     # Asked for by name, a broken plug-in's driver says why; any other still generates.
-    gen = [sys.executable, "-m", "runtime_glue.cli", "generate", "--model", str(tiny_ckpt)]
+    gen = [sys.executable, "-m", "runtime_glue.cli.main", "generate", "--model", str(tiny_ckpt)]
     gen += ["--prompt-ids", "5,6", "--max-tokens", "2"]
     bad = subprocess.run([*gen, "--device", "needs-sdk"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "its plug-in failed: loading needs_sdk" in bad.stderr

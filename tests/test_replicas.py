@@ -19,8 +19,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.server.args import split_options
 from tests.helpers import rlt_hal
 from tests.server_helpers import ServerProcess, free_port
 
@@ -52,7 +53,7 @@ def test_ray_options_without_replicas_are_refused(tiny_ckpt):
 @needs_ray
 def test_serve_without_replicas_never_imports_ray():
     code = (
-        "import sys, runtime_glue.cli as c, runtime_glue.server.app;"
+        "import sys, runtime_glue.cli.main as c, runtime_glue.server.app;"
         "c.build_parser().parse_args(['serve']);"
         "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'ray'))"
     )
@@ -104,10 +105,10 @@ def test_the_serve_config_example_is_valid_for_ray_and_for_rlt_hal():
     module, _, attr = app.import_path.partition(":")
     assert getattr(__import__(module, fromlist=[attr]), attr) is replicas.build_application
     args = dict(app.args)
-    args.pop("replicas"), args.pop("cpus_per_replica")
-    assert replicas.serve_options(**args).model == args["model"]
+    engine, options = split_options(args)
+    assert engine.model == args["model"] and options.replicas == args["replicas"]
     with pytest.raises(ValueError, match="unknown rlt-hal serve option"):
-        replicas.serve_options(max_num_seq=4)
+        split_options({"max_num_seq": 4})
 
 
 # -- two replicas on loopback ----------------------------------------------------------------

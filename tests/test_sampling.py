@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams, sample
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams, sample
 from tests.helpers import prompt_of
 
 

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 from tests.server_helpers import ServerProcess
 
 PROMPT = "The quick brown fox"

@@ -35,7 +35,7 @@ def test_this_host_reproduces_the_failure_import_torch_dies_on_auto_load():
 
 
 def test_drivers_exits_zero_and_lists_npu_as_unavailable_with_the_cann_message():
-    proc = _run("-m", "runtime_glue.cli", "drivers")
+    proc = _run("-m", "runtime_glue.cli.main", "drivers")
     assert proc.returncode == 0, proc.stderr
     lines = {line.split()[0]: line for line in proc.stdout.splitlines()}
     assert "cpu      available" in lines["cpu"]
@@ -46,7 +46,7 @@ def test_drivers_exits_zero_and_lists_npu_as_unavailable_with_the_cann_message()
 def test_generate_without_a_device_runs_on_the_cpu(tiny_ckpt):
     proc = _run(
         "-m",
-        "runtime_glue.cli",
+        "runtime_glue.cli.main",
         "generate",
         "--model",
         str(tiny_ckpt),
@@ -63,7 +63,7 @@ def test_generate_without_a_device_runs_on_the_cpu(tiny_ckpt):
 def test_device_npu_says_to_source_set_env(tiny_ckpt):
     proc = _run(
         "-m",
-        "runtime_glue.cli",
+        "runtime_glue.cli.main",
         "generate",
         "--model",
         str(tiny_ckpt),
@@ -96,7 +96,7 @@ def test_a_library_user_imports_runtime_glue_before_torch_or_sets_the_variable()
 
 def test_the_hf_module_reference_says_why_transformers_cannot_load_here():
     # transformers' modeling code imports torch_npu whenever it is installed.
-    proc = _run("-c", "import runtime_glue.reference")
+    proc = _run("-c", "import runtime_glue.checks.reference")
     assert proc.returncode != 0
     assert "the HF-module reference imports transformers' modeling code, which imports the " in (
         proc.stderr

@@ -11,8 +11,9 @@ from hal.eager import paged_eager_attention
 from hal.interfaces import AttentionBackend, Device, Driver, Fence, KVStore
 from hal.kernels import adversarial_rows, adversarial_weight, check_rows
 from hal.registry import Registry
+from hal.spec import ProbeResult
 from hal.testing.reference import ATTENTION_BOUND, attention_f64, linear_f64
-from hal.types import AttentionMetadata, KVLayout, ProbeResult
+from hal.types import AttentionMetadata, KVLayout
 
 LAYOUT = KVLayout(num_planes=3, num_blocks=6, block_size=16, num_kv_heads=2, head_dim=32)
 HEADS = 4
@@ -294,9 +295,9 @@ def test_kernels_that_claim_column_invariance_give_the_same_bits_on_stacked_weig
 
 def test_greedy_generation_matches_the_cpu_driver(driver, rlt_driver_name, tmp_path_factory):
     # The kit's end-to-end case drives the runtime; hal's library code never imports it.
-    from runtime_glue.llm import LLM
-    from runtime_glue.sampling import SamplingParams
-    from runtime_glue.toy import preset_config, write_checkpoint
+    from runtime_glue.engine.llm import LLM
+    from runtime_glue.engine.sampling import SamplingParams
+    from runtime_glue.ouro.toy import preset_config, write_checkpoint
 
     ckpt = write_checkpoint(tmp_path_factory.mktemp("kit"), preset_config("tiny"), seed=5)
     params = SamplingParams(max_tokens=16, ignore_eos=True)

@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from runtime_glue.toy import PRESETS
+import attrs
+
+from runtime_glue.engine.args import EngineArgs
+
+# A benchmark sizes the pool and the step for its own load, and repeats its prompts (each run
+# must compute them): these engine options are the benchmark's, not the user's.
+SET_BY_BENCH = ("num_blocks", "kv_cache_memory", "max_num_batched_tokens", "enable_prefix_caching")
 
 
 def _ints(text: str) -> list[int]:
@@ -14,14 +20,9 @@ def _ints(text: str) -> list[int]:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model")
-    src.add_argument("--preset", choices=list(PRESETS), default="small")
-    p.add_argument("--device")
-    p.add_argument("--attention-backend")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction)
-    p.add_argument("--linear", help="projection kernel: torch or e.g. avx2 (default: as serve)")
+    EngineArgs.add_cli_args(
+        p, fields=[f.name for f in attrs.fields(EngineArgs) if f.name not in SET_BY_BENCH]
+    )
     p.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
 
 
@@ -59,11 +60,9 @@ def add_parsers(sub) -> None:
         "adaptive", help="adaptive depth against full compute: speed, depth and agreement"
     )
     _load_args(ad, output_len=32)
-    ad.add_argument("--exit-threshold", type=float, default=0.5)
     ad.set_defaults(func=cmd_adaptive)
     dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
-    dt.add_argument("--model", help="a checkpoint directory (its tokenizer)")
-    dt.add_argument("--preset", choices=list(PRESETS), default="small")
+    EngineArgs.add_cli_args(dt, fields=("model", "preset"))
     dt.add_argument("--lengths", type=_ints, default=[100, 500, 1000, 2000])
     dt.add_argument("--runs", type=int, default=5)
     dt.add_argument("--json", metavar="OUT")
@@ -86,24 +85,18 @@ def add_parsers(sub) -> None:
     srv.set_defaults(func=cmd_serve)
 
 
-def _llm(args, tokens: int, **options):
-    from runtime_glue.llm import LLM
-    from runtime_glue.toy import cached_checkpoint
+def _llm(args, tokens: int, **overrides):
+    """The engine of the command's options with a pool of ``tokens`` (and ``options``)."""
+    from runtime_glue.engine.llm import build_llm
 
-    model = args.model or cached_checkpoint(args.preset)
-    blocks = -(-tokens // args.block_size) + 1
-    return LLM(
-        model,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        block_size=args.block_size,
-        num_blocks=blocks,
+    options = EngineArgs.from_cli_args(
+        args,
+        num_blocks=-(-tokens // args.block_size) + 1,
         max_num_batched_tokens=max(8192, tokens),
-        deterministic=args.deterministic,
-        linear=args.linear,
-        enable_prefix_caching=False,  # runs repeat their prompts: each must compute them
-        **options,
+        enable_prefix_caching=False,
+        **overrides,
     )
+    return build_llm(options)
 
 
 def _emit(args, report: dict, table: str) -> int:
@@ -178,17 +171,16 @@ def cmd_plans(args) -> int:
 def cmd_adaptive(args) -> int:
     from runtime_glue.bench.engine_bench import adaptive_depth, markdown_adaptive
 
-    llm = _llm(args, _load_tokens(args), exit_threshold=args.exit_threshold)
+    llm = _llm(args, _load_tokens(args))
     report = adaptive_depth(llm, args.input_len, args.output_len, args.runs, args.concurrency)
     return _emit_model(args, report, markdown_adaptive(report))
 
 
 def cmd_detokenize(args) -> int:
     from runtime_glue.bench.detok_bench import detokenize, markdown_detokenize
-    from runtime_glue.tokenizer import load_tokenizer
-    from runtime_glue.toy import cached_checkpoint
+    from runtime_glue.engine.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(args.model or cached_checkpoint(args.preset))
+    tokenizer = load_tokenizer(EngineArgs.from_cli_args(args).model_dir())
     report = detokenize(tokenizer, args.lengths, args.runs)
     return _emit(args, report, markdown_detokenize(report))
 

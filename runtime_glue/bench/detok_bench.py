@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from runtime_glue.detokenizer import IncrementalDetokenizer
+from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 
 
 def _per_token_seconds(run, n: int, runs: int) -> float:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from runtime_glue.bench import floors
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 
 
 def summary(values: list[float]) -> dict:
@@ -25,7 +25,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 def machine() -> dict:
     """Where a figure was measured, with the CPU flags that decide which kernels are fastest."""
-    from runtime_glue.resolve import machine_fingerprint
+    from runtime_glue.ouro.resolve import machine_fingerprint
 
     fingerprint = machine_fingerprint()
     flags = set(fingerprint.get("flags", "").split())
@@ -149,7 +149,7 @@ def latency(llm: LLM, input_lens: list[int], output_len: int, runs: int, warmup:
 
 def baseline(llm: LLM, input_len: int, output_len: int, runs: int, concurrency: int) -> dict:
     """rlt-hal vs the HF-module reference on the same weights: c=1 and ``concurrency`` prompts."""
-    from runtime_glue.reference import OuroReference
+    from runtime_glue.checks.reference import OuroReference
 
     ref = OuroReference(llm.config).load(llm.model_dir)
     vocab = llm.config.vocab_size

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from runtime_glue.config import OuroConfig
+from runtime_glue.ouro.config import OuroConfig
 
 
 def _median_time(fn, repeats: int, sync) -> float:

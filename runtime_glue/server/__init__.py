@@ -1,3 +1,10 @@
-"""The OpenAI-compatible HTTP server: FastAPI handlers in front of one engine loop thread."""
+"""The OpenAI-compatible HTTP server: FastAPI handlers in front of one engine loop thread.
+
+Owns: the app and its routes, the request protocol, the engine loop thread, metrics, and Ray
+Serve replicas of the same app (``replicas``, the one module that imports Ray).
+
+May import: ``hal``, ``runtime_glue.ouro`` and ``runtime_glue.engine`` (an engine is built from
+``EngineArgs``). Never the command line, the checks or the benchmarks.
+"""
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # a 65536-token prompt as JSON is under 1 MiB

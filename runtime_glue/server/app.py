@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,9 +17,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime_glue.engine import InvalidRequest
-from runtime_glue.request import RequestOutput
+from runtime_glue.engine.args import EngineArgs
+from runtime_glue.engine.core import InvalidRequest
+from runtime_glue.engine.llm import build_llm
+from runtime_glue.engine.request import RequestOutput
+from runtime_glue.engine.tokenizer import load_tokenizer
 from runtime_glue.server import DEFAULT_MAX_REQUEST_BYTES
+from runtime_glue.server.args import ServerArgs
 from runtime_glue.server.engine_loop import EngineFailed, EngineLoop
 from runtime_glue.server.protocol import (
     ApiError,
@@ -27,7 +33,6 @@ from runtime_glue.server.protocol import (
     error_body,
 )
 from runtime_glue.server.routes import chat_response, completion_response
-from runtime_glue.tokenizer import load_tokenizer
 
 
 def _json_error(status, message, type_="invalid_request_error", param=None, code=None):
@@ -36,6 +41,16 @@ def _json_error(status, message, type_="invalid_request_error", param=None, code
 
 class Server:
     """Holds the engine loop and turns OpenAI requests into engine requests."""
+
+    @classmethod
+    def from_args(cls, llm, engine: EngineArgs, options: ServerArgs) -> Server:
+        return cls(
+            llm,
+            options.model_name(engine),
+            api_key=options.api_key,
+            default_max_tokens=options.default_max_tokens,
+            max_request_bytes=options.max_request_bytes,
+        )
 
     def __init__(
         self,
@@ -260,3 +275,31 @@ def _install_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await handle(body, request, server.chat_ids, chat_response, "chatcmpl")
+
+
+def run(engine: EngineArgs, options: ServerArgs) -> int:
+    """``rlt-hal serve`` on one device: uvicorn on ``host:port`` until SIGINT/SIGTERM, then the
+    in-flight requests get ``shutdown_timeout`` seconds to finish."""
+    import uvicorn
+
+    options.check_single()
+    llm = build_llm(engine, progress=True, announce=True)
+    server = Server.from_args(llm, engine, options)
+    print(
+        f"serving {server.model_name!r} on http://{options.host}:{options.port}/v1 "
+        f"({llm.driver.label})",
+        file=sys.stderr,
+    )
+    config = uvicorn.Config(
+        build_app(server),
+        host=options.host,
+        port=options.port,
+        log_level="info",
+        timeout_graceful_shutdown=options.shutdown_timeout,  # type: ignore[arg-type]
+    )
+    # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal to the handler that was
+    # installed before it; a no-op one there turns a graceful shutdown into exit status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(config).run()
+    return 0

@@ -14,9 +14,9 @@ import queue
 import threading
 import time
 
-from runtime_glue.engine import Engine
-from runtime_glue.request import RequestOutput
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.core import Engine
+from runtime_glue.engine.request import RequestOutput
+from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server.metrics import Metrics
 from runtime_glue.server.protocol import ApiError
 

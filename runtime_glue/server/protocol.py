@@ -11,7 +11,7 @@ from typing import Annotated, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.sampling import SamplingParams
 
 
 class ApiError(Exception):
@@ -53,7 +53,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    # Ouro's exit gate (runtime_glue.exits), as extra fields (vLLM's convention for fields of
+    # Ouro's exit gate (runtime_glue.ouro.exits), as extra fields (vLLM's convention for fields of
     # one engine): which loop a token's logits come from, and whether to return each token's.
     exit_at_step: Annotated[int, Field(ge=0)] | None = None
     exit_threshold: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

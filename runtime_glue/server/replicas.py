@@ -12,7 +12,6 @@ This module imports Ray; only ``rlt-hal serve --replicas N`` and Serve config fi
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -20,12 +19,15 @@ import sys
 import threading
 from collections.abc import Mapping
 
+import attrs
 import ray
 from ray import serve
 
 from hal.registry import DEVICE_ENV_VAR, parse_device
-from runtime_glue.cli import build_llm, build_parser, served_model_name
+from runtime_glue.engine.args import EngineArgs
+from runtime_glue.engine.llm import build_llm
 from runtime_glue.server.app import Server, build_app
+from runtime_glue.server.args import ServerArgs, as_options, split_options
 
 logger = logging.getLogger(__name__)
 
@@ -34,21 +36,6 @@ REPLICA_HEADER = "x-rlt-hal-replica"
 # The Ray resource a replica of each driver asks for; any other driver gets CPU cores only.
 RAY_RESOURCE = {"npu": "NPU", "cuda": "GPU"}
 METRICS_MIRROR_INTERVAL_S = 5.0
-
-
-def serve_options(**overrides) -> argparse.Namespace:
-    """The options of ``rlt-hal serve`` (its defaults, then ``overrides``): one vocabulary for
-    the command line and for a Serve config file's ``args``."""
-    options = build_parser().parse_args(["serve"])
-    unknown = sorted(set(overrides) - set(vars(options)))
-    if unknown:
-        raise ValueError(
-            f"unknown rlt-hal serve option(s) {', '.join(unknown)}; "
-            "see `rlt-hal serve --help` (write --max-num-seqs as max_num_seqs)"
-        )
-    for key, value in overrides.items():
-        setattr(options, key, value)
-    return options
 
 
 def device_kind(device: str | None, cluster: Mapping[str, float]) -> str:
@@ -164,16 +151,10 @@ class MetricsMirror:
 class Replica:
     """One rlt-hal engine and its OpenAI app; Serve builds the app after ``__init__``."""
 
-    def __init__(self, options: argparse.Namespace) -> None:
+    def __init__(self, engine: EngineArgs, options: ServerArgs) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
-        llm = build_llm(options, progress=False)
-        self.server = Server(
-            llm,
-            served_model_name(options),
-            api_key=options.api_key,
-            default_max_tokens=options.default_max_tokens,
-            max_request_bytes=options.max_request_bytes,
-        )
+        llm = build_llm(engine, announce=True)
+        self.server = Server.from_args(llm, engine, options)
         self.mirror = MetricsMirror(self.server.loop.metrics.registry)
         print(f"replica {self.replica}: {llm.driver.label}", file=sys.stderr)
 
@@ -191,35 +172,36 @@ class Replica:
 def build_application(args: Mapping):
     """The Serve application: ``replicas`` copies of the rlt-hal server.
 
-    ``args`` holds ``rlt-hal serve`` options (``model``, ``device``, ``max_num_seqs``, ...)
-    plus ``replicas`` and ``cpus_per_replica``; this is the builder a Serve config file names
-    (Serve passes it the file's ``args``).
+    ``args`` holds ``rlt-hal serve`` options by field name (``model``, ``device``,
+    ``max_num_seqs``, ``replicas``, ``cpus_per_replica``, ...: ``EngineArgs`` and
+    ``ServerArgs``); this is the builder a Serve config file names (Serve passes it the file's
+    ``args``).
     """
-    given = dict(args)
-    replicas = int(given.pop("replicas", 1))
-    cpus = cpus_per_replica(given.pop("cpus_per_replica", None))
+    engine, options = split_options(args)
+    replicas = 1 if options.replicas is None else int(options.replicas)
+    cpus = cpus_per_replica(options.cpus_per_replica)
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
-    options = serve_options(**given)
     cluster = ray.cluster_resources() if ray.is_initialized() else {}
-    options.device = device_kind(options.device, cluster)
+    device = device_kind(engine.device, cluster)
+    engine = attrs.evolve(engine, device=device)
     deployment = serve.deployment(Replica, name=APP_NAME).options(
         num_replicas=replicas,
-        ray_actor_options=actor_options(options.device, cpus),
+        ray_actor_options=actor_options(device, cpus),
         # As many requests as one engine batches: more would only wait inside it, where the
         # router can no longer send them to an idle replica.
-        max_ongoing_requests=options.max_num_seqs,
+        max_ongoing_requests=engine.max_num_seqs,
     )
-    return deployment.bind(options)
+    return deployment.bind(engine, options)
 
 
 def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(engine: EngineArgs, args: ServerArgs) -> int:
     """``rlt-hal serve --replicas N``: start (or join) a Ray cluster, deploy, wait for a signal."""
-    if args.replicas < 1:
+    if args.replicas is None or args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     joined = args.ray_address is not None
     if joined and args.ray_metrics_export_port is not None:
@@ -240,14 +222,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         cluster = ray.cluster_resources()
-        device = device_kind(args.device, cluster)
+        device = device_kind(engine.device, cluster)
         check_capacity(device, args.replicas, cpus_per_replica(args.cpus_per_replica), cluster)
-        options = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-        serve.run(build_application({**options, "device": device}), name=APP_NAME)
+        options = as_options(attrs.evolve(engine, device=device), args)
+        serve.run(build_application(options), name=APP_NAME)
         print(
-            f"serving {served_model_name(args)!r} on http://{args.host}:{args.port}/v1 with "
+            f"serving {args.model_name(engine)!r} on http://{args.host}:{args.port}/v1 with "
             f"{args.replicas} replica(s) on {device} (Ray Serve; "
-            f"{'joined ' + args.ray_address if joined else 'a local Ray cluster'})",
+            f"{f'joined {args.ray_address}' if joined else 'a local Ray cluster'})",
             file=sys.stderr,
         )
         while True:

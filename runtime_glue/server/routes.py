@@ -7,7 +7,7 @@ import time
 
 from fastapi.responses import StreamingResponse
 
-from runtime_glue.request import RequestOutput
+from runtime_glue.engine.request import RequestOutput
 from runtime_glue.server.protocol import ApiError, error_body
 
 

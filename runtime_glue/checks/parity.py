@@ -14,8 +14,8 @@ from collections import defaultdict
 import attrs
 import torch
 
-from runtime_glue.llm import LLM
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 
 OPS = ("q_proj", "k_proj", "v_proj", "attention", "mlp", "residual")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.sampling import SamplingParams
 
 
 @attrs.frozen

@@ -4,27 +4,29 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 
 from hal.registry import Registry, default_registry
 from hal.types import KVLayout, check_block_size
-from runtime_glue.checkpoint import load_weights
-from runtime_glue.config import OuroConfig
-from runtime_glue.engine import Engine, EngineConfig, InvalidRequest
-from runtime_glue.kv_manager import BlockAllocator
-from runtime_glue.model import OuroModel
-from runtime_glue.plan import ExecutionPlan
-from runtime_glue.resolve import resolve
-from runtime_glue.sampling import SamplingParams
-from runtime_glue.tokenizer import load_tokenizer
+from runtime_glue.engine.args import RANDOM_BANNER, EngineArgs
+from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
+from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.engine.tokenizer import load_tokenizer
+from runtime_glue.ouro.checkpoint import load_weights
+from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.model import OuroModel
+from runtime_glue.ouro.plan import ExecutionPlan
+from runtime_glue.ouro.resolve import resolve
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
-DEFAULT_TOY_PRESET = "small"
 
 
 @attrs.frozen
@@ -35,13 +37,6 @@ class CompletionOutput:
     finish_reason: str | None
     logits: torch.Tensor | None = None  # float32 [generated, vocab], the chosen loop's logits
     exit_steps: tuple[int, ...] = ()  # the loop each generated token's logits came from
-
-
-def default_model_dir() -> Path:
-    """The embedded default: a random toy checkpoint written once into a cache directory."""
-    from runtime_glue.toy import cached_checkpoint
-
-    return cached_checkpoint(DEFAULT_TOY_PRESET)
 
 
 def pool_blocks(
@@ -67,60 +62,77 @@ def pool_blocks(
 
 
 class LLM:
+    """``LLM(model, device=..., block_size=..., ...)``: the options are ``EngineArgs``'s fields,
+    declared (and defaulted) there once; ``registry``, ``driver_options`` and ``progress`` say
+    how to build, not what."""
+
     def __init__(
         self,
         model: str | Path | None = None,
-        device: str | None = None,
-        dtype: str = "bfloat16",
-        attention_backend: str | None = None,
-        block_size: int = 128,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 8192,
-        prefill_chunk_size: int | None = None,
+        *,
         registry: Registry | None = None,
         driver_options: dict | None = None,
         progress: bool = False,
-        deterministic: bool | None = None,
-        linear: str | None = None,
-        exit_at_step: int | None = None,
-        exit_threshold: float | None = None,
-        adaptive_depth: bool = False,
-        enable_prefix_caching: bool | None = None,
+        **options: Any,
     ) -> None:
-        """``enable_prefix_caching``: None, on where it is exact (deterministic mode)."""
-        if dtype != "bfloat16":
-            raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {dtype!r}")
-        check_block_size(block_size)
-        self.model_dir = Path(model) if model is not None else default_model_dir()
+        args = EngineArgs(model=None if model is None else str(model), **options)
+        self._init(args, registry, driver_options, progress)
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        registry: Registry | None = None,
+        driver_options: dict | None = None,
+        progress: bool = False,
+    ) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(args, registry, driver_options, progress)
+        return llm
+
+    def _init(
+        self,
+        args: EngineArgs,
+        registry: Registry | None,
+        driver_options: dict | None,
+        progress: bool,
+    ) -> None:
+        if args.dtype != "bfloat16":
+            raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {args.dtype!r}")
+        check_block_size(args.block_size)
+        self.args = args
+        self.model_dir = args.model_dir()
         self.config = OuroConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.driver = (registry or default_registry()).create(device, **(driver_options or {}))
+        self.driver = (registry or default_registry()).create(args.device, **(driver_options or {}))
         self.driver.device.initialize()
-        self.driver.backend(attention_backend)  # an unknown name fails before loading weights
+        self.driver.backend(args.attention_backend)  # an unknown name fails before loading weights
         weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
         cfg = self.config
-        probe = KVLayout(cfg.num_planes, 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        blocks = pool_blocks(probe.bytes_per_token, block_size, num_blocks, kv_cache_memory)
+        probe = KVLayout(cfg.num_planes, 1, args.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        blocks = pool_blocks(
+            probe.bytes_per_token, args.block_size, args.num_blocks, args.kv_cache_memory
+        )
         self.kv_layout = attrs.evolve(probe, num_blocks=blocks)
         self.weights = weights
-        self.engine_config = EngineConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk_size)
+        self.engine_config = EngineConfig(
+            args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size
+        )
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
-        self.allocator = BlockAllocator(blocks, block_size)  # shared by variants, as the pool is
-        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = BlockAllocator(blocks, args.block_size)  # shared by variants, as the pool
+        self.enable_prefix_caching = args.enable_prefix_caching
         logger.info("%s", self.kv_summary)
         self._build(
             resolve(
                 self.driver,
                 cfg,
                 weights,
-                attention_backend,
-                deterministic,
-                linear,
-                exit_at_step,
-                exit_threshold,
-                adaptive_depth,
+                args.attention_backend,
+                args.deterministic,
+                args.linear,
+                args.exit_at_step,
+                args.exit_threshold,
+                args.adaptive_depth,
             )
         )
         self._next_id = 0
@@ -232,3 +244,21 @@ class LLM:
                 )
             )
         return outputs
+
+
+def build_llm(
+    args: EngineArgs, progress: bool = False, announce: bool = False, **options: Any
+) -> LLM:
+    """The engine ``args`` describe; ``announce`` prints what a user should know on standard
+    error: the random-weights banner, the plan and the KV pool. ``options``: as
+    ``LLM.from_engine_args`` (a registry, driver options)."""
+    if announce and args.model is None:
+        print(RANDOM_BANNER, file=sys.stderr)
+    llm = LLM.from_engine_args(args, progress=progress, **options)
+    if announce:
+        caching = "on" if llm.engine.config.enable_prefix_caching else "off"
+        print(
+            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}", file=sys.stderr
+        )
+        print(llm.kv_summary, file=sys.stderr)
+    return llm

@@ -8,7 +8,7 @@ the exit distribution is built in the gate's dtype, loop by loop; a token's logi
 ``exit_threshold``, else the exit-weighted sum of every loop's logits when asked, else the last
 loop, and a request that asks for none gets the config's ``early_exit_step`` and
 ``early_exit_threshold``. This code is written from those equations on its own: it shares
-nothing with the runtime's ``runtime_glue.exits``.
+nothing with the runtime's ``runtime_glue.ouro.exits``.
 
 LlamaRMSNorm, LlamaMLP, LlamaAttention (``eager_attention_forward``), LlamaRotaryEmbedding
 (kept in fp32) and a DynamicCache whose layer index is ``t * L + l``: one cache layer per
@@ -26,7 +26,7 @@ from typing import cast
 import torch
 from safetensors.torch import load_file
 
-from runtime_glue.config import OuroConfig
+from runtime_glue.ouro.config import OuroConfig
 
 
 def _raised_in_torch_npu(exc: BaseException) -> bool:

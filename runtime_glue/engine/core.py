@@ -24,12 +24,12 @@ import torch
 
 from hal.interfaces import Device
 from hal.types import AttentionMetadata
-from runtime_glue.detokenizer import IncrementalDetokenizer
-from runtime_glue.exits import ExitMode
-from runtime_glue.kv_manager import BlockAllocator
-from runtime_glue.model import OuroModel, StepInputs
-from runtime_glue.request import Request, RequestOutput, Status
-from runtime_glue.sampling import SamplingParams, sample
+from runtime_glue.engine.detokenizer import IncrementalDetokenizer
+from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.request import Request, RequestOutput, Status
+from runtime_glue.engine.sampling import SamplingParams, sample
+from runtime_glue.ouro.exits import ExitMode
+from runtime_glue.ouro.model import OuroModel, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class Engine:
             plan.append((req, n))
             budget -= n
         # Prompt positions first: the execution plan may run them on other kernels than
-        # generated positions (runtime_glue.plan), and a step's prompt rows form one block.
+        # generated positions (runtime_glue.ouro.plan), and a step's prompt rows form one block.
         plan = [(r, n) for r, n in plan if r.status is Status.RUNNING]
         plan.sort(key=lambda entry: not entry[0].in_prefill)
         return plan

@@ -23,7 +23,7 @@ from typing import Protocol
 import attrs
 import torch
 
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.sampling import SamplingParams
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 

@@ -11,7 +11,7 @@ Requests whose prompts share full blocks share those pages read-only, counted by
 block whose last user is done stays cached until the pool needs its page, least recently used
 first; a block in use is never evicted or written. Only prompt positions are cached: in
 deterministic mode a generated position runs other kernels than the same token as a prompt
-position would (runtime_glue.plan), so its K/V is not what a later prompt would compute.
+position would (runtime_glue.ouro.plan), so its K/V is not what a later prompt would compute.
 
 Every page, cached or not, becomes reusable only after the fence of the last step that used it
 has completed.

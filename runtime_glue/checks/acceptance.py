@@ -23,10 +23,10 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from runtime_glue.evaluation import LLMSide, ReferenceSide, evaluate, load_questions
-from runtime_glue.llm import LLM
-from runtime_glue.parity import within_tolerance
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.checks.evaluation import LLMSide, ReferenceSide, evaluate, load_questions
+from runtime_glue.checks.parity import within_tolerance
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
 
 DEFAULT_TOLERANCE = 0.5  # |logit| difference across devices, while fed the same tokens
 PARITY_PROMPT = 40  # tokens of the random prompt the parity parts run, besides a sentence
@@ -153,8 +153,8 @@ def acceptance(
 ) -> dict:
     """Every part on ``device``; ``registry`` selects drivers (tests pass test doubles)."""
     from runtime_glue.bench.engine_bench import machine
-    from runtime_glue.evaluation import sample_questions
-    from runtime_glue.reference import OuroReference
+    from runtime_glue.checks.evaluation import sample_questions
+    from runtime_glue.checks.reference import OuroReference
 
     llm = LLM(model, device=device, registry=registry, deterministic=False)
     dev = llm.driver.device.torch_device

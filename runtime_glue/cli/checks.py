@@ -6,28 +6,35 @@ import argparse
 import json
 import sys
 
-from runtime_glue.cli import RANDOM_BANNER, prompt_of_args
+import attrs
+
+from runtime_glue.cli.prompts import add_prompt_args, prompt_of_args
+from runtime_glue.engine.args import RANDOM_BANNER, EngineArgs
+from runtime_glue.engine.llm import build_llm
+
+
+def _checked(args: argparse.Namespace) -> EngineArgs:
+    """The engine options of a check. Checks compare HF-exact runs unless ``--deterministic``
+    is given (a device's own default mode would compare two different contracts)."""
+    return EngineArgs.from_cli_args(args, deterministic=bool(args.deterministic))
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from runtime_glue.llm import LLM
-    from runtime_glue.parity import compare
-
-    def side(device, backend, chunk):
-        return LLM(
-            model=args.model,
-            device=device,
-            attention_backend=backend,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            prefill_chunk_size=chunk,
-            deterministic=args.deterministic,
-        )
+    from runtime_glue.checks.parity import compare
 
     if args.model is None:
         print(RANDOM_BANNER, file=sys.stderr)
-    a = side(args.device, args.attention_backend, None)
-    b = side(args.against or args.device, args.against_backend, args.prefill_chunk_size)
+    options = _checked(args)
+    # Side A always prefills whole; side B is side A with the --against* changes and the
+    # chunk size given.
+    a = build_llm(attrs.evolve(options, prefill_chunk_size=None))
+    b = build_llm(
+        attrs.evolve(
+            options,
+            device=args.against or options.device,
+            attention_backend=args.against_backend,
+        )
+    )
 
     def label(llm, chunk):
         mode = f"chunk={chunk}" if chunk else "full-prefill"
@@ -46,11 +53,12 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_acceptance(args: argparse.Namespace) -> int:
-    from runtime_glue.acceptance import acceptance, markdown_acceptance
+    from runtime_glue.checks.acceptance import acceptance, markdown_acceptance
 
+    options = EngineArgs.from_cli_args(args)
     report = acceptance(
-        args.model,
-        args.device,
+        options.model_dir(),
+        str(options.device),  # required by the parser
         questions_path=args.questions,
         limit=args.limit,
         tolerance=args.tolerance,
@@ -64,7 +72,7 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from runtime_glue.evaluation import (
+    from runtime_glue.checks.evaluation import (
         LLMSide,
         ReferenceSide,
         evaluate,
@@ -72,15 +80,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         markdown_evaluation,
         sample_questions,
     )
-    from runtime_glue.llm import LLM
+
+    options = _checked(args)
 
     def side(device):
-        return LLM(args.model, device=device, deterministic=args.deterministic)
+        return build_llm(attrs.evolve(options, device=device))
 
-    a = side(args.device)
+    a = side(options.device)
     b: LLMSide | ReferenceSide
     if args.against == "reference":
-        from runtime_glue.reference import OuroReference
+        from runtime_glue.checks.reference import OuroReference
 
         dev = a.driver.device.torch_device
         b = ReferenceSide(OuroReference(a.config).load(a.model_dir).to(dev), dev)
@@ -108,23 +117,14 @@ def _add_parity(sub) -> None:
         "parity",
         help="run one request two ways and locate the first difference (exit 1 when they differ)",
     )
-    p.add_argument("--model")
-    p.add_argument("--device", help="side A (full prefill)")
-    p.add_argument("--against", help="side B (default: the same device as A)")
-    p.add_argument("--attention-backend", help="side A's backend")
-    p.add_argument("--against-backend", help="side B's backend")
-    p.add_argument("--prefill-chunk-size", type=int, help="side B prefills in chunks of N")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog")
-    src.add_argument("--prompt-ids")
+    # The engine options describe side A (which always prefills whole) and, but for the
+    # --against* options, side B; --prefill-chunk-size applies to side B only. Both sides are
+    # HF-exact unless --deterministic is given.
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--against", help="side B's device (default: the same device as A)")
+    p.add_argument("--against-backend", help="side B's attention backend")
+    add_prompt_args(p, default="The quick brown fox jumps over the lazy dog")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--num-blocks", type=int, default=64)
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="both sides in deterministic mode (default: both HF-exact, whatever the device)",
-    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_parity)
 
@@ -135,8 +135,7 @@ def _add_acceptance(sub) -> None:
         help="is this device correct for Ouro? reference parity, cross-device, chunking, "
         "accuracy, latency (exit 1 when a part fails)",
     )
-    p.add_argument("--model", required=True, help="an Ouro checkpoint directory")
-    p.add_argument("--device", required=True, help="e.g. npu, npu:1, cuda, cpu")
+    EngineArgs.add_cli_args(p, fields=("model", "device"), required=("model", "device"))
     p.add_argument("--questions", help="JSONL question set (default: the one rlt-hal ships)")
     p.add_argument("--limit", type=int, help="only the first N questions")
     p.add_argument("--tolerance", type=float, default=0.5, help="cross-device |logit| tolerance")
@@ -151,8 +150,8 @@ def _add_eval(sub) -> None:
     p = sub.add_parser(
         "eval", help="exact-match accuracy of two configurations on a question set, and agreement"
     )
-    p.add_argument("--model", help="Ouro checkpoint directory (default: embedded random toy)")
-    p.add_argument("--device", help="side A: rlt-hal on this device (default: auto)")
+    # Side A: rlt-hal with these options (HF-exact unless --deterministic).
+    EngineArgs.add_cli_args(p, fields=("model", "preset", "device", "deterministic"))
     p.add_argument(
         "--against",
         default="reference",
@@ -162,7 +161,6 @@ def _add_eval(sub) -> None:
     p.add_argument("--template", default="Question: {question}\nAnswer:")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--limit", type=int)
-    p.add_argument("--deterministic", action="store_true", help="rlt-hal sides in that mode")
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--markdown", metavar="OUT")
     p.set_defaults(func=cmd_eval)

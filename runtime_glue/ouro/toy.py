@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from hal.cache import cache_dir
-from runtime_glue.checkpoint import INDEX_FILE, expected_tensors
-from runtime_glue.config import OuroConfig
+from runtime_glue.ouro.checkpoint import INDEX_FILE, expected_tensors
+from runtime_glue.ouro.config import OuroConfig
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
 
 All tokens of a step (every request, prefill and decode alike) travel as one flat batch of N
 rows, prompt positions first (``StepInputs.prompt_rows``). Every row-wise op runs the kernel
-the plan names for its rows' kind (``runtime_glue.plan``). Shapes and rounding follow Hugging
+the plan names for its rows' kind (``runtime_glue.ouro.plan``). Shapes and rounding follow Hugging
 Face's Llama modules so that, per request, the tensors handed to every kernel match HF's
 ([1, heads, S, d] for attention).
 """
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 
 from hal.interfaces import Driver, KVStore
 from hal.types import AttentionMetadata
-from runtime_glue.config import OuroConfig
-from runtime_glue.exits import ExitMode, exit_pdf, threshold_steps
-from runtime_glue.plan import KINDS, OPS, ExecutionPlan, hal_op, row_function
+from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.exits import ExitMode, exit_pdf, threshold_steps
+from runtime_glue.ouro.plan import KINDS, OPS, ExecutionPlan, hal_op, row_function
 
 # recorder(loop, layer, op, tensor): sees intermediate tensors (used by the parity locator).
 Recorder = Callable[[int, int, str, torch.Tensor], None]

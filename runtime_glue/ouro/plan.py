@@ -1,8 +1,8 @@
-"""The execution plan: every decision about how a model runs, made once (``runtime_glue.resolve``).
+"""The execution plan: every decision about how a model runs, made once (``runtime_glue.ouro.resolve``).
 
 An :class:`ExecutionPlan` names the mode, the attention backend, whether q|k|v and gate|up
 run as one stacked projection, and for every op the driver's kernel and the row tiles it is
-called with. ``runtime_glue.resolve.resolve`` builds it from the driver's offered kernels (``hal.kernels``),
+called with. ``runtime_glue.ouro.resolve.resolve`` builds it from the driver's offered kernels (``hal.kernels``),
 the checkpoint's shapes, the user's flags and measurements taken on the machine at hand.
 The model is built from the plan and never changes; nothing else decides.
 
@@ -27,7 +27,7 @@ Modes:
   (naming the op and its shape); the default mode falls back to hf-exact and logs why.
 - ``fast``: a kernel the user named, outside deterministic mode: neither guarantee.
 
-How the plan is resolved, by checks and measurements: ``runtime_glue.resolve``.
+How the plan is resolved, by checks and measurements: ``runtime_glue.ouro.resolve``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import attrs
 import torch
 
 from hal.kernels import Kernel
-from runtime_glue.exits import ExitMode
+from runtime_glue.ouro.exits import ExitMode
 
 KINDS = ("prompt", "generated")
 LINEAR_OPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "exit_gate")

@@ -22,7 +22,7 @@ class SamplingParams:
         default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s or ())
     )
     ignore_eos: bool = False
-    # Ouro's exit gate (runtime_glue.exits): which loop a token's logits come from. Unset, the
+    # Ouro's exit gate (runtime_glue.ouro.exits): which loop a token's logits come from. Unset, the
     # server's or the checkpoint's defaults apply; set, the request's own choice wins.
     exit_at_step: int | None = None
     exit_threshold: float | None = None

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from hal.interfaces import Device
-from runtime_glue.config import OuroConfig
+from runtime_glue.ouro.config import OuroConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
@@ -181,7 +181,7 @@ def validate(entries: dict[str, TensorEntry], cfg: OuroConfig, model_dir: str | 
 
 
 # Checkpoint tensors stored back to back, so that a stacked weight is a view of its members
-# and a column-invariant kernel (Driver.column_invariant_linears) makes one call for them.
+# and a column-invariant linear kernel (`Kernel.column_invariant`) makes one call for them.
 STACKED = {
     "self_attn.qkv_proj.weight": (
         "self_attn.q_proj.weight",

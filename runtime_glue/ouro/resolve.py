@@ -1,4 +1,4 @@
-"""Resolving the execution plan (``runtime_glue.plan``): the start-up checks, the timings and
+"""Resolving the execution plan (``runtime_glue.ouro.plan``): the start-up checks, the timings and
 their cache.
 
 Where several kernels pass, :func:`resolve` times them at the op's real shapes and row counts
@@ -27,9 +27,9 @@ from hal.eager import TensorKVStore
 from hal.interfaces import AttentionBackend, Driver
 from hal.kernels import Kernel, adversarial_rows, adversarial_weight, check_rows
 from hal.types import AttentionMetadata, KVLayout
-from runtime_glue.config import OuroConfig
-from runtime_glue.exits import ExitMode
-from runtime_glue.plan import (
+from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.exits import ExitMode
+from runtime_glue.ouro.plan import (
     GENERATED_TILE,
     KINDS,
     LINEAR_OPS,

@@ -8,9 +8,9 @@ import attrs
 import torch
 
 from hal.interfaces import Fence
-from runtime_glue.detokenizer import IncrementalDetokenizer
-from runtime_glue.exits import ExitMode
-from runtime_glue.sampling import SamplingParams
+from runtime_glue.engine.detokenizer import IncrementalDetokenizer
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.exits import ExitMode
 
 
 class Status(enum.Enum):

@@ -1,0 +1,236 @@
+"""The ``rlt-hal`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from runtime_glue.cli.prompts import add_prompt_args, prompt_of_args
+from runtime_glue.engine.args import EngineArgs
+from runtime_glue.engine.llm import build_llm
+from runtime_glue.ouro.toy import PRESETS
+from runtime_glue.server.args import ServerArgs
+
+
+def announced_llm(args: argparse.Namespace, progress: bool = True):
+    """The engine of a command's ``EngineArgs`` options, announced on standard error."""
+    return build_llm(EngineArgs.from_cli_args(args), progress=progress, announce=True)
+
+
+def cmd_drivers(args: argparse.Namespace) -> int:
+    from hal.registry import default_registry
+
+    rows = [
+        {
+            "name": spec.name,
+            "available": probe.available,
+            "reason": probe.reason,
+            "description": spec.description,
+        }
+        for spec, probe in default_registry().probe_all()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        state = "available" if r["available"] else "unavailable"
+        state += f": {r['reason']}" if r["reason"] else ""
+        print(f"{r['name']:<8} {state}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The execution plan for a model here, with the measurements behind it."""
+    llm = announced_llm(args, progress=False)
+    plan = llm.plan
+    if args.json:
+        print(json.dumps({"device": llm.driver.label, **plan.to_json()}, indent=2))
+        return 0
+    print(plan.describe())
+    for note in plan.notes:
+        print(f"  {note}")
+    if plan.measurements:
+        print("\n| op | rows of | kernel | call rows | ms | chosen |\n|---|---|---|---|---|---|")
+        for m in plan.measurements:
+            chosen = "yes" if plan.choice(m.kind, m.op).kernel == m.kernel else ""
+            print(
+                f"| {m.op} | {m.kind} | {m.kernel} | {m.rows} | {m.seconds * 1e3:.3f} | {chosen} |"
+            )
+    return 0
+
+
+def cmd_toy_checkpoint(args: argparse.Namespace) -> int:
+    from runtime_glue.ouro.toy import preset_config, write_checkpoint
+
+    cfg = preset_config(args.preset, total_ut_steps=args.loops)
+    path = write_checkpoint(
+        args.dir, cfg, seed=args.seed, shards=args.shards, gate_bias=args.gate_bias
+    )
+    print(f"wrote a random {args.preset} Ouro checkpoint to {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from runtime_glue.engine.sampling import SamplingParams
+
+    prompt = prompt_of_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = announced_llm(args, progress=not args.json)
+    start = time.perf_counter()
+    out = llm.generate([prompt], params)[0]
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "device": llm.driver.label,
+                    "attention_backend": llm.model.backend.name,
+                    "prompt_token_ids": list(out.prompt_token_ids),
+                    "token_ids": list(out.token_ids),
+                    "exit_steps": list(out.exit_steps),
+                    "text": out.text,
+                    "finish_reason": out.finish_reason,
+                    "elapsed_s": round(elapsed, 4),
+                    "tokens_per_s": round(len(out.token_ids) / elapsed, 3) if elapsed else None,
+                }
+            )
+        )
+    elif args.show_depth:
+        print(show_depth(llm.tokenizer, out.token_ids, out.exit_steps))
+    else:
+        print(out.text)
+    return 0
+
+
+def show_depth(tokenizer, token_ids, exit_steps) -> str:
+    """The text with each token's depth (loops run, 1-based) after it: ``Hello[2] world[4]``."""
+    pieces = [
+        f"{tokenizer.decode([t], skip_special_tokens=True)}[{step + 1}]"
+        for t, step in zip(token_ids, exit_steps, strict=True)
+    ]
+    return "".join(pieces)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """The main job without a server: generate from the default (or given) checkpoint."""
+    args.prompt_ids, args.temperature, args.seed, args.json = None, 0.0, None, False
+    args.show_depth = False
+    args.ignore_eos = True
+    print(f"prompt: {args.prompt!r}")
+    return cmd_generate(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    engine, options = EngineArgs.from_cli_args(args), ServerArgs.from_cli_args(args)
+    if options.replicas is None:
+        from runtime_glue.server import app
+
+        return app.run(engine, options)
+    try:
+        from runtime_glue.server import replicas
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "ray":
+            raise
+        raise RuntimeError(
+            "--replicas runs the server on Ray Serve, which is not installed here: "
+            "pip install 'rlt-hal[ray]' (see docs/scale-out.md)"
+        ) from None
+    return replicas.run(engine, options)
+
+
+def _add_drivers(sub) -> None:
+    p = sub.add_parser("drivers", help="list drivers and whether each can run here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_drivers)
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="the execution plan (mode, kernel per op) for a model here, and why"
+    )
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
+def _add_toy_checkpoint(sub) -> None:
+    p = sub.add_parser("toy-checkpoint", help="write a small random Ouro checkpoint")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loops", type=int, default=4, help="total_ut_steps")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument(
+        "--gate-bias",
+        type=float,
+        default=0.0,
+        help="the exit gate's bias: higher, earlier exits (rlt-hal bench adaptive)",
+    )
+    p.set_defaults(func=cmd_toy_checkpoint)
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate for one prompt")
+    EngineArgs.add_cli_args(p)
+    add_prompt_args(p, required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--show-depth", action="store_true", help="print each token with the loops it ran"
+    )
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    EngineArgs.add_cli_args(p)
+    ServerArgs.add_cli_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="generate from the embedded default checkpoint")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--prompt", default="The quick brown fox")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.set_defaults(func=cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from runtime_glue.bench import cli as bench_cli
+    from runtime_glue.cli import checks as checks_cli
+
+    parser = argparse.ArgumentParser(prog="rlt-hal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_drivers(sub)
+    _add_toy_checkpoint(sub)
+    _add_generate(sub)
+    _add_plan(sub)
+    _add_serve(sub)
+    checks_cli.add_parsers(sub)
+    bench_cli.add_parsers(sub)
+    _add_run(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"rlt-hal: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""``EngineArgs``: every option that builds an engine, declared once.
+
+The command line (``rlt-hal generate | serve | run | plan | parity | acceptance | eval |
+bench``), ``LLM(...)``, the server and the Ray replicas all take their engine options from here:
+a field's default, its type and its ``--flag`` help are written in one place, as vLLM's
+``EngineArgs`` does. ``add_cli_args`` registers the fields on a parser (a command may take a
+subset), ``from_cli_args`` reads them back, ``runtime_glue.engine.llm.build_llm`` builds
+the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+DEFAULT_TOY_PRESET = "small"
+
+RANDOM_BANNER = (
+    "NOTE: no --model given; using the embedded toy checkpoint with RANDOM weights. "
+    "Its output is random text. Pass --model /path/to/Ouro-1.4B for a real model."
+)
+
+
+def cli_field(default: Any, help: str, **argparse_options: Any) -> Any:
+    """An attrs field that also describes its ``--flag`` (named after the field)."""
+    return attrs.field(default=default, metadata={"help": help, "cli": argparse_options})
+
+
+def _preset_names() -> list[str]:
+    from runtime_glue.ouro.toy import PRESETS
+
+    return list(PRESETS)
+
+
+def add_fields(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    fields: Iterable[str] | None,
+    exclusive: Sequence[tuple[str, str]] = (),
+    required: Iterable[str] = (),
+    group_title: str | None = None,
+) -> None:
+    """Register ``cls``'s fields (all, or ``fields``) as ``--flags`` on ``parser``; a pair in
+    ``exclusive`` whose two fields are both registered becomes a mutually exclusive group."""
+    chosen = [f for f in attrs.fields(cls) if fields is None or f.name in set(fields)]
+    names = {f.name for f in chosen}
+    unknown = set(fields or ()) - names
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {', '.join(sorted(unknown))}")
+    target: Any = parser.add_argument_group(group_title) if group_title else parser
+    groups: dict[str, Any] = {}
+    for a, b in exclusive:
+        if a in names and b in names:
+            groups[a] = groups[b] = target.add_mutually_exclusive_group()
+    for f in chosen:
+        options = dict(f.metadata["cli"])
+        if callable(options.get("choices")):
+            options["choices"] = options["choices"]()
+        if options.get("action") not in ("store_true", argparse.BooleanOptionalAction):
+            options.setdefault("type", type(f.default) if f.default is not None else str)
+        if f.name in set(required):
+            options["required"] = True
+        groups.get(f.name, target).add_argument(
+            "--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **options
+        )
+
+
+def from_fields(cls: type, args: argparse.Namespace | dict, **overrides: Any) -> Any:
+    """``cls`` from the fields ``args`` has (the others keep their defaults), then ``overrides``."""
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    values = {f.name: given[f.name] for f in attrs.fields(cls) if f.name in given}
+    return cls(**{**values, **overrides})
+
+
+@attrs.frozen(kw_only=True)
+class EngineArgs:
+    """What builds an ``LLM``: the checkpoint, the device, the KV pool, scheduling, the plan."""
+
+    model: str | None = cli_field(
+        None, "Ouro checkpoint directory (default: the embedded toy checkpoint of --preset)"
+    )
+    preset: str = cli_field(
+        DEFAULT_TOY_PRESET,
+        "the embedded toy checkpoint when no --model is given (random weights)",
+        choices=_preset_names,
+    )
+    device: str | None = cli_field(
+        None, "cpu, cuda[:N], npu[:N] or auto (default: $VLLM_RLT_DEVICE or auto)"
+    )
+    dtype: str = cli_field("bfloat16", "weights and KV cache dtype (bfloat16: the first scope)")
+    attention_backend: str | None = cli_field(
+        None, "e.g. cpu_eager, cuda_sdpa, ascend_eager (default: the driver's HF-order backend)"
+    )
+    linear: str | None = cli_field(
+        None,
+        "one projection kernel for every projection: torch (F.linear, HF-exact) or one the "
+        "driver offers, e.g. avx2 or avx512bf16 on cpu (not HF-exact). Default: torch in "
+        "HF-exact mode; in deterministic mode the fastest that keeps the mode, measured here "
+        "(rlt-hal plan shows the choice)",
+    )
+    block_size: int = cli_field(128, "tokens per KV block (a power of two >= 16)")
+    num_blocks: int | None = cli_field(None, "KV pool size in blocks", type=int)
+    kv_cache_memory: int | None = cli_field(
+        None, "KV pool size in bytes (default 512 MiB)", type=int, metavar="BYTES"
+    )
+    max_num_seqs: int = cli_field(16, "requests running at once")
+    max_num_batched_tokens: int = cli_field(8192, "tokens one step computes at most")
+    prefill_chunk_size: int | None = cli_field(
+        None, "prefill prompts in chunks of N tokens (default: whole)", type=int
+    )
+    deterministic: bool | None = cli_field(
+        None,
+        "bit-identical results whatever the chunk size or batch mix; --no-deterministic "
+        "keeps HF's own bits for a lone request (default: the backend's choice, on for cpu)",
+        action=argparse.BooleanOptionalAction,
+    )
+    exit_threshold: float | None = cli_field(
+        None,
+        "default exit threshold of Ouro's gate for requests that choose none (in (0, 1]; "
+        "default: the checkpoint's early_exit_threshold)",
+        type=float,
+    )
+    exit_at_step: int | None = cli_field(
+        None, "default loop to read logits from (0 .. loops - 1)", type=int
+    )
+    adaptive_depth: bool = cli_field(
+        False,
+        "decode rows that reach their exit threshold skip their remaining loops (an "
+        "approximation: docs/benchmarks.md)",
+        action="store_true",
+    )
+    enable_prefix_caching: bool | None = cli_field(
+        None,
+        "share the KV of prompt blocks already computed (default: on in deterministic "
+        "mode, where a hit gives exactly the bits of recomputing; off in HF-exact mode, where "
+        "the bits may differ within the engine's tolerance)",
+        action=argparse.BooleanOptionalAction,
+    )
+
+    EXCLUSIVE = (("model", "preset"), ("num_blocks", "kv_cache_memory"))
+
+    @classmethod
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        fields: Iterable[str] | None = None,
+        required: Iterable[str] = (),
+    ) -> None:
+        """Register every engine option (or only ``fields``) on ``parser``."""
+        add_fields(parser, cls, fields, cls.EXCLUSIVE, required)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace | dict, **overrides: Any) -> EngineArgs:
+        return from_fields(cls, args, **overrides)
+
+    def model_dir(self) -> Path:
+        """``model``, or the embedded toy checkpoint of ``preset`` (written once, then cached)."""
+        if self.model is not None:
+            return Path(self.model)
+        from runtime_glue.ouro.toy import cached_checkpoint
+
+        return cached_checkpoint(self.preset)
