@@ -64,8 +64,11 @@ def add_fields(
             options.setdefault("type", type(f.default) if f.default is not None else str)
         if f.name in set(required):
             options["required"] = True
+        help = f.metadata["help"]
+        if "default" not in help and f.default not in (None, False):
+            help += f" (default: {f.default})"
         groups.get(f.name, target).add_argument(
-            "--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **options
+            "--" + f.name.replace("_", "-"), default=f.default, help=help, **options
         )
 
 
@@ -91,7 +94,11 @@ class EngineArgs:
     device: str | None = cli_field(
         None, "cpu, cuda[:N], npu[:N] or auto (default: $VLLM_RLT_DEVICE or auto)"
     )
-    dtype: str = cli_field("bfloat16", "weights and KV cache dtype (bfloat16: the first scope)")
+    dtype: str = cli_field(
+        "bfloat16",
+        "weights and KV cache dtype (the first scope: bfloat16 only)",
+        choices=["bfloat16"],
+    )
     attention_backend: str | None = cli_field(
         None, "e.g. cpu_eager, cuda_sdpa, ascend_eager (default: the driver's HF-order backend)"
     )
