@@ -134,3 +134,13 @@ def test_a_tree_without_cycles_passes(tmp_path):
         },
     )
     assert import_cycles(tmp_path, ("pkg",)) == []
+
+
+def test_runtime_glue_keeps_its_modules_in_layers():
+    """Its own modules are few (the package's face); the rest lives in a subpackage per layer,
+    each of which says in its docstring what it owns and what it may import."""
+    top = sorted(p.name for p in (ROOT / "runtime_glue").glob("*.py"))
+    assert len(top) <= 5, top
+    for package in (ROOT / "runtime_glue").glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(package.read_text())) or ""
+        assert "Owns:" in doc and "import" in doc, package
