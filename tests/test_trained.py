@@ -138,3 +138,12 @@ def test_eval_perplexity_reports_every_loop_and_the_gate(trained, tmp_path):
     assert sum(modes["threshold 0.5"]["exit_loop_histogram"]) == pytest.approx(1.0)
     assert report["adaptive"]["tokens"] == 64
     assert "| loop 1 |" in result.stdout
+
+
+def test_toy_checkpoint_refuses_random_preset_flags_with_the_trained_preset(tmp_path):
+    result = rlt_hal(
+        "toy-checkpoint", str(tmp_path / "x"), "--preset", "trained", "--gate-bias", "1"
+    )
+    assert result.returncode == 2
+    assert "--gate-bias does not apply to --preset trained" in result.stderr
+    assert not (tmp_path / "x").exists()
