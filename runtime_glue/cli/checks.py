@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import attrs
 
@@ -81,6 +82,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         sample_questions,
     )
 
+    if args.perplexity:
+        return cmd_perplexity(args)
     options = _checked(args)
 
     def side(device):
@@ -98,6 +101,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
     questions = load_questions(args.questions or sample_questions())[: args.limit]
     report = evaluate(a.tokenizer, questions, LLMSide(a), b, args.template, args.max_tokens)
     table = markdown_evaluation(report)
+    _write_reports(args, report, table)
+    print(table)
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from runtime_glue.checks.perplexity import (
+        markdown_perplexity,
+        perplexity,
+        write_initial_checkpoint,
+    )
+
+    options = _checked(args)
+    llm = build_llm(options)
+    with tempfile.TemporaryDirectory(prefix="rlt-hal-init-") as tmp:
+        baseline = None
+        if args.random_baseline:
+            write_initial_checkpoint(llm.model_dir, Path(tmp))
+            baseline = build_llm(attrs.evolve(options, model=tmp))
+        report = perplexity(
+            llm, args.seq_len, args.perplexity_tokens, args.adaptive_tokens, baseline
+        )
+    table = markdown_perplexity(report)
     _write_reports(args, report, table)
     print(table)
     return 0
@@ -163,6 +191,23 @@ def _add_eval(sub) -> None:
     p.add_argument("--limit", type=int)
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--markdown", metavar="OUT")
+    ppl = p.add_argument_group(
+        "--perplexity: held-out perplexity and accuracy per exit mode, through the runtime"
+    )
+    ppl.add_argument("--perplexity", action="store_true", help="this instead of the questions")
+    ppl.add_argument("--seq-len", type=int, help="window length (default: the training's)")
+    ppl.add_argument("--perplexity-tokens", type=int, help="held-out positions scored")
+    ppl.add_argument(
+        "--adaptive-tokens",
+        type=int,
+        default=2048,
+        help="teacher-forced decode positions for adaptive depth (0: skip)",
+    )
+    ppl.add_argument(
+        "--random-baseline",
+        action="store_true",
+        help="also score the same model with its initial random weights",
+    )
     p.set_defaults(func=cmd_eval)
 
 

@@ -64,11 +64,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_toy_checkpoint(args: argparse.Namespace) -> int:
     from runtime_glue.ouro.toy import preset_config, write_checkpoint
 
+    if args.preset == "trained":
+        return _trained_checkpoint(args)
     cfg = preset_config(args.preset, total_ut_steps=args.loops)
     path = write_checkpoint(
         args.dir, cfg, seed=args.seed, shards=args.shards, gate_bias=args.gate_bias
     )
     print(f"wrote a random {args.preset} Ouro checkpoint to {path}")
+    return 0
+
+
+def _trained_checkpoint(args: argparse.Namespace) -> int:
+    """The trained preset: trained once into the cache (by its recipe's hash), then copied."""
+    import shutil
+
+    from runtime_glue.ouro.toy import cached_checkpoint
+
+    fixed = {
+        "--seed": (args.seed, 0),
+        "--loops": (args.loops, 4),
+        "--gate-bias": (args.gate_bias, 0.0),
+    }
+    for flag, (value, default) in fixed.items():
+        if value != default:
+            raise ValueError(f"{flag} does not apply to --preset trained (its recipe fixes it)")
+    if args.shards != 1:
+        raise ValueError("--shards must be 1 with --preset trained")
+    cached = cached_checkpoint("trained")
+    shutil.copytree(cached, args.dir, dirs_exist_ok=True)
+    print(f"wrote the trained Ouro checkpoint to {args.dir} (trained once, cached at {cached})")
     return 0
 
 
@@ -161,7 +185,10 @@ def _add_plan(sub) -> None:
 
 
 def _add_toy_checkpoint(sub) -> None:
-    p = sub.add_parser("toy-checkpoint", help="write a small random Ouro checkpoint")
+    p = sub.add_parser(
+        "toy-checkpoint",
+        help="write a small Ouro checkpoint: random weights, or --preset trained (trained here)",
+    )
     p.add_argument("dir")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS))
     p.add_argument("--seed", type=int, default=0)

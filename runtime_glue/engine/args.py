@@ -88,7 +88,8 @@ class EngineArgs:
     )
     preset: str = cli_field(
         DEFAULT_TOY_PRESET,
-        "the embedded toy checkpoint when no --model is given (random weights)",
+        "the embedded toy checkpoint when no --model is given (random weights; 'trained' is "
+        "trained here on first use, minutes, then cached)",
         choices=_preset_names,
     )
     device: str | None = cli_field(

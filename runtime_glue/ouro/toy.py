@@ -1,7 +1,9 @@
-"""Small random Ouro checkpoints in the real HF layout, with a real byte-level BPE tokenizer.
+"""Small Ouro checkpoints in the real HF layout, with a real byte-level BPE tokenizer.
 
-Tests and ``make serve`` use these; their output is random text. Weights are drawn large
-enough that greedy decoding does not collapse into one repeated token.
+Random presets: tests and ``make serve`` use these; their output is random text. Weights are
+drawn large enough that greedy decoding does not collapse into one repeated token. The
+``trained`` preset is trained here (``runtime_glue.ouro.train``) on the text every Python
+ships (``runtime_glue.ouro.corpus``), so that quality can be measured.
 """
 
 from __future__ import annotations
@@ -11,14 +13,18 @@ import logging
 import math
 import os
 import shutil
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
+import attrs
 import torch
 from safetensors.torch import save_file
 
 from hal.cache import cache_dir
 from runtime_glue.ouro.checkpoint import INDEX_FILE, expected_tensors
 from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.train import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,16 @@ PRESETS: dict[str, dict] = {
         intermediate_size=688,
         num_hidden_layers=4,
         num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+    ),
+    # Trained, not random (write_trained_checkpoint): sized from steps/s measured here.
+    "trained": dict(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
         num_key_value_heads=4,
         head_dim=32,
     ),
@@ -91,8 +107,9 @@ def preset_config(preset: str, total_ut_steps: int = 4, **overrides) -> OuroConf
     return OuroConfig(**values)
 
 
-def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
-    """A byte-level BPE (``tokenizers``) with Ouro's special tokens at ids 0, 1, 2."""
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB, texts: Iterable[str] | None = None):
+    """A byte-level BPE (``tokenizers``) with Ouro's special tokens at ids 0, 1, 2, trained on
+    ``texts`` (default: the random presets' fixed text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -104,9 +121,11 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # Numbers give the trainer enough distinct pairs to fill the vocabulary deterministically.
-    numbers = " ".join(f"{i} {i * 37 % 9973}" for i in range(4000))
-    tok.train_from_iterator([_CORPUS] * 4 + [numbers], trainer)
+    if texts is None:
+        # Numbers give the trainer enough distinct pairs to fill the vocabulary deterministically.
+        numbers = " ".join(f"{i} {i * 37 % 9973}" for i in range(4000))
+        texts = [_CORPUS] * 4 + [numbers]
+    tok.train_from_iterator(texts, trainer)
     return tok
 
 
@@ -144,12 +163,22 @@ _GAINS = {"q_proj": 2.0, "k_proj": 2.0, "lm_head": 4.0}
 def write_checkpoint(
     out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards: int = 1, gate_bias: float = 0.0
 ) -> Path:
-    """Write config.json, safetensors (``shards`` > 1: with an index) and the tokenizer.
+    """Write config.json, random safetensors (``shards`` > 1: with an index) and the tokenizer.
     ``gate_bias`` sets the exit gate's bias: the higher, the earlier tokens exit."""
+    return write_files(out_dir, cfg, random_weights(cfg, seed, gate_bias), shards)
+
+
+def write_files(
+    out_dir: str | Path,
+    cfg: OuroConfig,
+    weights: dict[str, torch.Tensor],
+    shards: int = 1,
+    tokenizer=None,
+) -> Path:
+    """config.json, ``weights`` as safetensors (``shards`` > 1: with an index), the tokenizer."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-    weights = random_weights(cfg, seed, gate_bias)
     if shards <= 1:
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     else:
@@ -163,20 +192,94 @@ def write_checkpoint(
         total = sum(w.numel() * w.element_size() for w in weights.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    write_tokenizer(out)
+    write_tokenizer(out, tokenizer)
     return out
 
 
-def cached_checkpoint(preset: str, seed: int = 0) -> Path:
-    """A preset's random checkpoint in ``$RLT_HAL_CACHE`` (default ~/.cache/rlt-hal), written
-    on first use: the embedded default model and the benchmark presets."""
-    path = cache_dir() / f"toy-{preset}-seed{seed}"
+TRAINED_RECIPE = Recipe()
+TRAINED_EXIT_THRESHOLD = 0.5  # config.json's early_exit_threshold (Ouro-1.4B's is 1.0)
+
+
+def trained_config(total_ut_steps: int = 4) -> OuroConfig:
+    return preset_config("trained", total_ut_steps, early_exit_threshold=TRAINED_EXIT_THRESHOLD)
+
+
+def write_trained_checkpoint(
+    out_dir: str | Path,
+    recipe: Recipe = TRAINED_RECIPE,
+    cfg: OuroConfig | None = None,
+    progress: bool = True,
+) -> Path:
+    """Train the ``trained`` preset (or ``cfg``) by ``recipe`` and write it, with
+    ``training.json``: the recipe, its hash, the split rule, the run's losses and timing, and the
+    training code's held-out figures (trained, at initialisation, and a unigram model)."""
+    from runtime_glue.ouro import corpus, train
+
+    cfg = cfg or trained_config()
+    start = time.perf_counter()
+    train_docs, held_docs = corpus.split(corpus.documents(recipe.sources))
+    tok = train_tokenizer(cfg.vocab_size, [d.text for d in train_docs])
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch(texts)]
+
+    train_ids = corpus.token_stream(encode, train_docs)
+    held = train.windows(corpus.token_stream(encode, held_docs), recipe.seq_len)
+    held = held[: max(1, recipe.eval_tokens // recipe.seq_len)]
+    model, record = train.train(cfg, recipe, train_ids, progress)
+    weights = model.bf16_weights()
+    model.load_state_dict({n: w.float() for n, w in weights.items()})  # what the file holds
+    write_files(out_dir, cfg, weights, tokenizer=tok)
+    init = train.TrainOuro(cfg)
+    train.init_weights(init, torch.Generator().manual_seed(recipe.seed))
+    report = {
+        "recipe": attrs.asdict(recipe),
+        "recipe_hash": recipe.digest(cfg),
+        "split": corpus.SPLIT_RULE,
+        "documents": {"train": len(train_docs), "held_out": len(held_docs)},
+        "torch": torch.__version__,
+        **record,
+        "total_seconds": time.perf_counter() - start,
+        "held_out": {
+            "trained": train.loop_losses(model, held),
+            "random_init": train.loop_losses(init, held),
+            "unigram": corpus.unigram_perplexity(
+                train_ids, held[:, 1:].flatten().tolist(), cfg.vocab_size
+            ),
+        },
+    }
+    (Path(out_dir) / TRAINING_FILE).write_text(json.dumps(report, indent=2))
+    return Path(out_dir)
+
+
+TRAINING_FILE = "training.json"
+
+
+def cached_checkpoint(
+    preset: str,
+    seed: int = 0,
+    recipe: Recipe = TRAINED_RECIPE,
+    trained_cfg: OuroConfig | None = None,
+) -> Path:
+    """A preset's checkpoint in ``$RLT_HAL_CACHE`` (default ~/.cache/rlt-hal), written on first
+    use: the embedded default model and the benchmark presets. ``trained`` is trained once by
+    ``recipe`` (on ``trained_cfg``, default the preset's) and kept under the hash of both; its
+    seed is the recipe's."""
+    trained_cfg = trained_cfg or trained_config()
+    if preset == "trained":
+        path = cache_dir() / f"toy-trained-{recipe.digest(trained_cfg)}"
+    else:
+        path = cache_dir() / f"toy-{preset}-seed{seed}"
     if not (path / "config.json").is_file():
         # Written aside and renamed into place: processes that start together (the replicas
         # of `rlt-hal serve --replicas N`) never read a half-written checkpoint.
-        logger.warning("writing the random %s checkpoint to %s", preset, path)
         staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        write_checkpoint(staging, preset_config(preset), seed=seed)
+        if preset == "trained":
+            logger.warning("training the %s checkpoint into %s (minutes)", preset, path)
+            write_trained_checkpoint(staging, recipe, trained_cfg)
+        else:
+            logger.warning("writing the random %s checkpoint to %s", preset, path)
+            write_checkpoint(staging, preset_config(preset), seed=seed)
         try:
             staging.rename(path)
         except OSError:  # another process put its copy there first; both are the same
@@ -184,8 +287,9 @@ def cached_checkpoint(preset: str, seed: int = 0) -> Path:
     return path
 
 
-def write_tokenizer(out: Path) -> None:
-    train_tokenizer().save(str(out / "tokenizer.json"))
+def write_tokenizer(out: Path, tokenizer=None) -> None:
+    """``tokenizer`` (default: the random presets' one) and its HF side files."""
+    (tokenizer or train_tokenizer()).save(str(out / "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|im_start|>",
