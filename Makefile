@@ -49,7 +49,7 @@ test-floors: $(STAMP)
 	$(FLOOR_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
 	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test]" $(FLOORS)
 	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_parity.py \
-		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py
+		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py tests/test_trained.py
 
 # The real torch_npu package beside torch, with no CANN: rlt-hal must still list its drivers,
 # run on cpu, and say what to install or source for npu.
