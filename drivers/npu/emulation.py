@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from drivers.npu import fused_ops
+
 EMULATE_ENV_VAR = "RLT_HAL_NPU_EMULATE"
 # torch_npu's own documentation of npu_scatter_nd_update_ (torch_npu/_op_plugin_docs.py in the
 # 2.13.0 wheel): data types of input and updates on Atlas A2/A3 (910B, the parts with bf16).
@@ -67,6 +69,14 @@ class EmulatedTorchNpu:
     """The operation set the NPU driver calls, emulated on the CPU."""
 
     label = "emulated torch_npu (CPU)"
+
+    # The fused kernels of the fast plan, under torch_npu's names (drivers.npu.fused_ops).
+    npu_rms_norm = staticmethod(fused_ops.npu_rms_norm)
+    npu_add_rms_norm = staticmethod(fused_ops.npu_add_rms_norm)
+    npu_swiglu = staticmethod(fused_ops.npu_swiglu)
+    npu_rotary_mul = staticmethod(fused_ops.npu_rotary_mul)
+    npu_scatter_pa_kv_cache = staticmethod(fused_ops.npu_scatter_pa_kv_cache)
+    npu_fused_infer_attention_score = staticmethod(fused_ops.npu_fused_infer_attention_score)
 
     def __init__(self, event_delay: int = 0, device_count: int = 1) -> None:
         self.event_delay = event_delay

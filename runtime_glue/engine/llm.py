@@ -133,6 +133,8 @@ class LLM:
                 args.exit_at_step,
                 args.exit_threshold,
                 args.adaptive_depth,
+                mode=args.mode,
+                block_size=args.block_size,
             )
         )
         self._next_id = 0
@@ -159,6 +161,7 @@ class LLM:
         deterministic: bool | None = None,
         linear: str | None = None,
         adaptive_depth: bool | None = None,
+        mode: str | None = None,
     ) -> LLM:
         """The same weights and KV pool under the plan these flags resolve to (benchmarks
         compare plans this way). Run one of the two at a time: they share the KV pool and its
@@ -170,12 +173,14 @@ class LLM:
             self.driver,
             self.config,
             self.weights,
-            self.plan.attention,
+            self.args.attention_backend if mode is not None else self.plan.attention,
             deterministic,
             linear,
             defaults.step,
             defaults.threshold,
             adaptive,
+            mode=mode,
+            block_size=self.args.block_size,
         )
         other._build(plan)
         return other
