@@ -23,6 +23,7 @@ Ops and their call signatures:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -61,7 +62,7 @@ class Kernel:
 
     op: str = attrs.field(validator=attrs.validators.in_(OPS))
     name: str
-    fn: Callable[..., torch.Tensor]
+    fn: Callable[..., Any]  # a tensor (add_rms_norm and rotary: a pair)
     hf_exact: bool = False
     row_invariant: bool = False
     column_invariant: bool = False

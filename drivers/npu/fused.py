@@ -88,19 +88,17 @@ def kernels(device) -> tuple[Kernel, ...]:
         out = ops("npu_rotary_mul")(qk, cos.view(1, n, 1, d), sin.view(1, n, 1, d))
         return out[0, :, :hq], out[0, :, hq:]
 
-    common = {"version": VERSION, "fast_only": True}
+    def fused(op: str, name: str, fn, description: str) -> Kernel:
+        check = ops.check(name)
+        return Kernel(op, name, fn, fast_only=True, check=check, description=description,
+                      version=VERSION)  # fmt: skip
+
     return (
-        Kernel("rms_norm", "npu_rms_norm", rms_norm, check=ops.check("npu_rms_norm"),
-               description="torch_npu.npu_rms_norm: fp32 inside, one rounding", **common),
-        Kernel("add_rms_norm", "npu_add_rms_norm", add_rms_norm,
-               check=ops.check("npu_add_rms_norm"),
-               description="torch_npu.npu_add_rms_norm: residual add and norm, one kernel",
-               **common),
-        Kernel("silu_mul", "npu_swiglu", swiglu, check=ops.check("npu_swiglu"),
-               description="torch_npu.npu_swiglu on the stacked gate|up", **common),
-        Kernel("rotary", "npu_rotary_mul", rotary, check=ops.check("npu_rotary_mul"),
-               description="torch_npu.npu_rotary_mul on q|k in one call (BSND)", **common),
-    )  # fmt: skip
+        fused("rms_norm", "npu_rms_norm", rms_norm, "fp32 inside, one rounding"),
+        fused("add_rms_norm", "npu_add_rms_norm", add_rms_norm, "residual add and norm, one op"),
+        fused("silu_mul", "npu_swiglu", swiglu, "on the stacked gate|up"),
+        fused("rotary", "npu_rotary_mul", rotary, "q|k in one call (BSND)"),
+    )
 
 
 class AscendFiaBackend(AttentionBackend):

@@ -71,9 +71,9 @@ def _(x, gamma, epsilon):
 
 
 @torch.library.custom_op("rlt_npu_emulated::npu_add_rms_norm", mutates_args=())
-def _add_rms_norm(x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float) -> tuple[
-    Tensor, Tensor, Tensor
-]:
+def _add_rms_norm(
+    x1: Tensor, x2: Tensor, gamma: Tensor, epsilon: float
+) -> tuple[Tensor, Tensor, Tensor]:
     _check_norm("npu_add_rms_norm", x1, gamma)
     if x2.shape != x1.shape or x2.dtype != x1.dtype:
         refuse("npu_add_rms_norm", "x1 and x2 must have one shape and dtype")
@@ -203,7 +203,9 @@ def _check_scatter_pa(key, value, key_cache, value_cache, slot_mapping) -> None:
     if key.shape[1:] != key_cache.shape[2:] or value.shape[1:] != value_cache.shape[2:]:
         refuse(op, f"key rows {list(key.shape[1:])} must match cache rows {key_cache.shape[2:]}")
     slots = key_cache.shape[0] * key_cache.shape[1]
-    if slot_mapping.numel() and not (0 <= int(slot_mapping.min()) and int(slot_mapping.max()) < slots):
+    if slot_mapping.numel() and not (
+        int(slot_mapping.min()) >= 0 and int(slot_mapping.max()) < slots
+    ):
         refuse(op, f"slot_mapping values must be in [0, {slots - 1}]")
     if slot_mapping.unique().numel() != slot_mapping.numel():
         refuse(op, "slot_mapping values must not repeat")
@@ -296,7 +298,10 @@ def _check_fia(query, key, value, mask, q_ends, kv_lens, table, heads, kv_heads,
     q_lens = [e - s for s, e in zip([0, *q_ends], q_ends, strict=False)]
     if max(q_lens, default=0) > 1:
         if bs % 128:
-            refuse(op, f"with query rows > 1 and page attention, block_size must be a multiple of 128, got {bs}")  # noqa: E501
+            refuse(
+                op,
+                f"with query rows > 1 and page attention, block_size must be a multiple of 128, got {bs}",
+            )  # noqa: E501
         if sparse not in (0, 3):
             raise NotImplementedError(f"{op}: sparse_mode {sparse} is not emulated (0 or 3)")
         if sparse == 3 and (mask is None or tuple(mask.shape[-2:]) != (MASK_SIZE, MASK_SIZE)):
@@ -308,7 +313,9 @@ def _check_fia(query, key, value, mask, q_ends, kv_lens, table, heads, kv_heads,
             _CHECKED_MASKS.add(mask)
     for b, (n, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
         if kv < n or kv > table.shape[1] * bs:
-            refuse(op, f"batch {b}: actual_seq_lengths_kv {kv} must be in [{n}, {table.shape[1] * bs}]")  # noqa: E501
+            refuse(
+                op, f"batch {b}: actual_seq_lengths_kv {kv} must be in [{n}, {table.shape[1] * bs}]"
+            )  # noqa: E501
         used = table[b, : -(-kv // bs)]
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= key.shape[0]):
             refuse(op, f"batch {b}: block_table holds a block id outside [0, {key.shape[0]})")

@@ -19,6 +19,7 @@ check is never cached: a new driver, device or model is checked again.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -134,7 +135,7 @@ def check_attention_backend(
     requests = [(5, ctx, [6, 1]), (1, 2 * block_size - 1, [3, 0]), (1, 4, [7])]
     scaling = d**-0.5
     history = {}
-    for i, (n, c, blocks) in enumerate(requests):  # the cached context, written exactly
+    for i, (_, c, blocks) in enumerate(requests):  # the cached context, written exactly
         k, v = _rand(c, kv_heads, d, gen=gen, scale=2.0), _rand(c, kv_heads, d, gen=gen)
         meta = AttentionMetadata.build(block_size, [(c, 0, blocks)], layout.num_slots)
         kv.write(0, k.to(device), v.to(device), meta.to(device)[0].slot_mapping)
@@ -146,8 +147,16 @@ def check_attention_backend(
     meta = AttentionMetadata.build(block_size, requests, layout.num_slots).to(device)[0]
     backend.write_kv(kv, 0, new_k, new_v, meta)
     back_k, back_v = kv.gather(0, meta.slot_mapping)
-    if not (torch.equal(back_k[0].transpose(0, 1), new_k) and torch.equal(back_v[0].transpose(0, 1), new_v)):  # noqa: E501
-        return Admission("attention", backend.name, False, "the rows it wrote into the paged cache read back different")  # noqa: E501
+    if not (
+        torch.equal(back_k[0].transpose(0, 1), new_k)
+        and torch.equal(back_v[0].transpose(0, 1), new_v)
+    ):  # noqa: E501
+        return Admission(
+            "attention",
+            backend.name,
+            False,
+            "the rows it wrote into the paged cache read back different",
+        )  # noqa: E501
     out = backend.forward(q, 0, kv, meta, scaling).double().cpu()
     worst = 0.0
     for r, (n, c, _) in enumerate(requests):
@@ -188,7 +197,8 @@ def fast_plan(
     for op in FUSED_OPS:
         chosen[op] = "torch"
         for kernel in (k for k in driver.kernels_for(op) if k.fast_only):
-            verdict = _guarded(op, kernel.name, lambda: _check_kernel(op, kernel, cfg, weights, device))  # noqa: B023,E501
+            check = functools.partial(_check_kernel, op, kernel, cfg, weights, device)
+            verdict = _guarded(op, kernel.name, check)
             admissions.append(verdict)
             if verdict.admitted and chosen[op] == "torch":
                 chosen[op] = kernel.name
@@ -198,7 +208,8 @@ def fast_plan(
         candidates = list(driver.fused_backends)
     for name in candidates:
         backend = driver.fused_backends[name]
-        verdict = _guarded("attention", name, lambda: check_attention_backend(backend, driver, cfg, block_size))  # noqa: B023,E501
+        check = functools.partial(check_attention_backend, backend, driver, cfg, block_size)
+        verdict = _guarded("attention", name, check)
         admissions.append(verdict)
         if verdict.admitted:
             backend_name = name
@@ -206,9 +217,7 @@ def fast_plan(
         if attention is not None:
             backend_name = driver.default_backend
     lin = linear or "torch"
-    ops = tuple(
-        (op, OpChoice(lin if op in LINEAR_OPS else chosen.get(op, "torch"))) for op in OPS
-    )
+    ops = tuple((op, OpChoice(lin if op in LINEAR_OPS else chosen.get(op, "torch"))) for op in OPS)
     taken = [a for a in admissions if a.admitted]
     notes = (
         f"fast mode: {len(taken)} of {len(admissions)} fused kernels admitted on "
