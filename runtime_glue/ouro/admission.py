@@ -182,6 +182,14 @@ def _guarded(op: str, name: str, check: Callable[[], Admission]) -> Admission:
         return Admission(op, name, False, f"cannot run here: {type(exc).__name__}: {exc}")
 
 
+def nothing_to_admit(driver: Driver, registry) -> str:
+    """What a fast plan on a driver without fused kernels lacks, and which drivers are missing
+    here and why (on a host without CANN: what to source), as ``--device npu`` says it."""
+    missing = [f"{spec.name} ({p.reason})" for spec, p in registry.probe_all() if not p.available]
+    where = f"; unavailable here: {'; '.join(missing)}" if missing else ""
+    return f"fast mode: {driver.label} offers no fused kernels, so torch's forms run{where}"
+
+
 def fast_plan(
     driver: Driver,
     cfg: OuroConfig,
