@@ -312,7 +312,9 @@ def test_the_fast_plan_decodes_close_to_the_exact_plan_in_batches_and_prefill(fa
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     for a, b in zip(exact.generate(prompts, params, return_logits=True),
                     fast_llm.generate(prompts, params, return_logits=True), strict=True):  # fmt: skip
-        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), 6)
+        n = next(
+            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), 6
+        )
         fed_alike = min(n + 1, 6)
         assert (a.logits[:fed_alike] - b.logits[:fed_alike]).abs().max() < 0.1
 
