@@ -8,9 +8,11 @@ meta shapes (torch_npu's meta functions' rules); each check is shown to catch a 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
+import attrs
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -21,10 +23,12 @@ from drivers.npu.fused import AscendFiaBackend
 from hal.devops import DeviceOpCounter
 from hal.kernels import Kernel, hf_rms_norm
 from hal.types import AttentionMetadata
+from runtime_glue.checks.parity import within_tolerance
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.ouro.admission import check_attention_backend, fast_plan
+from runtime_glue.ouro.plan import OpChoice
 from tests.helpers import prompt_of, rlt_hal
 
 BF16 = torch.bfloat16
@@ -305,18 +309,39 @@ def test_fast_mode_at_block_size_16_keeps_the_eager_backend_and_says_why(tiny_ck
     assert not fia.admitted and "multiple of 128" in fia.why
 
 
+def _greedy(llm, prompts, n=6):
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    return llm.generate(prompts, params, return_logits=True)
+
+
+PROMPTS = [prompt_of(150, seed=1), prompt_of(9, seed=2), prompt_of(1, seed=3)]
+
+
+def test_the_fused_loop_with_torchs_kernels_gives_the_exact_plans_bits(fast_llm):
+    # Only the grouping differs (each residual add fused with the norm after it); with torch's
+    # forms in every slot, the fused loop is the exact plan bit for bit, in a batch.
+    torch_only = tuple((op, OpChoice("torch")) for op, _ in fast_llm.plan.prompt)
+    plan = attrs.evolve(
+        fast_llm.plan, attention="ascend_eager", prompt=torch_only, generated=torch_only,
+        fused=(("add_rms_norm", "torch"), ("rotary", "torch")),
+    )  # fmt: skip
+    fused = copy.copy(fast_llm)
+    fused._build(plan)
+    exact = fast_llm.variant(mode="hf-exact")
+    for a, b in zip(_greedy(exact, PROMPTS), _greedy(fused, PROMPTS), strict=True):
+        assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
+
+
 def test_the_fast_plan_decodes_close_to_the_exact_plan_in_batches_and_prefill(fast_llm):
     exact = fast_llm.variant(mode="hf-exact")
     assert exact.plan.mode == "hf-exact" and exact.plan.attention == "ascend_eager"
-    prompts = [prompt_of(150, seed=1), prompt_of(9, seed=2), prompt_of(1, seed=3)]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    for a, b in zip(exact.generate(prompts, params, return_logits=True),
-                    fast_llm.generate(prompts, params, return_logits=True), strict=True):  # fmt: skip
-        n = next(
-            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), 6
-        )
-        fed_alike = min(n + 1, 6)
-        assert (a.logits[:fed_alike] - b.logits[:fed_alike]).abs().max() < 0.1
+    # Tolerance: on this random tiny model deterministic mode (the same arithmetic in another
+    # rounding order) is itself 0.44 from HF-exact; the fused kernels must stay within 1.0,
+    # as long as both runs are fed the same tokens.
+    for a, b in zip(_greedy(exact, PROMPTS), _greedy(fast_llm, PROMPTS), strict=True):
+        check = within_tolerance(a.token_ids, a.logits, b.token_ids, b.logits, 1.0)
+        assert check.max_logit_diff <= 1.0, check
+        assert check.max_logit_diff > 0  # not HF-exact, and not claimed to be
 
 
 def test_mode_and_its_aliases_cannot_contradict_each_other(tiny_ckpt):

@@ -25,7 +25,7 @@ from torch import Tensor
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 MASK_SIZE = 2048  # sparse_mode 2..4 take an optimised 2048 x 2048 causal mask
-_CHECKED_MASKS: weakref.WeakSet = weakref.WeakSet()
+_CHECKED_MASKS: dict[int, weakref.ref] = {}  # id -> the mask checked (checked once each)
 
 
 def refuse(op: str, rule: str):
@@ -306,11 +306,12 @@ def _check_fia(query, key, value, mask, q_ends, kv_lens, table, heads, kv_heads,
             raise NotImplementedError(f"{op}: sparse_mode {sparse} is not emulated (0 or 3)")
         if sparse == 3 and (mask is None or tuple(mask.shape[-2:]) != (MASK_SIZE, MASK_SIZE)):
             refuse(op, f"sparse_mode 3 needs the optimised {MASK_SIZE}x{MASK_SIZE} causal mask")
-        if sparse == 3 and mask not in _CHECKED_MASKS:  # 4M elements: checked once per mask
+        seen = _CHECKED_MASKS.get(id(mask))
+        if sparse == 3 and (seen is None or seen() is not mask):  # 4M elements: once a mask
             want = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool).triu(1)
             if not torch.equal(mask.reshape(MASK_SIZE, MASK_SIZE).bool(), want):
                 refuse(op, "the sparse_mode 3 mask must be ones above the diagonal, else zeros")
-            _CHECKED_MASKS.add(mask)
+            _CHECKED_MASKS[id(mask)] = weakref.ref(mask)
     for b, (n, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
         if kv < n or kv > table.shape[1] * bs:
             refuse(

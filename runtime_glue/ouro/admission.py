@@ -124,7 +124,15 @@ def _check_rotary(kernel: Kernel, cfg: OuroConfig, rows: int, gen, device) -> Ad
 def check_attention_backend(
     backend: AttentionBackend, driver: Driver, cfg: OuroConfig, block_size: int
 ) -> Admission:
-    """A prefill chunk after cached context and two decode rows, over a paged cache."""
+    """A prefill chunk after cached context and two decode rows, over a paged cache: the
+    verdict (refused, saying why, where the backend cannot run at these shapes)."""
+    trial = functools.partial(_attention_trial, backend, driver, cfg, block_size)
+    return _guarded("attention", backend.name, trial)
+
+
+def _attention_trial(
+    backend: AttentionBackend, driver: Driver, cfg: OuroConfig, block_size: int
+) -> Admission:
     device = driver.device.torch_device
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     gen = torch.Generator().manual_seed(block_size + d)
@@ -216,8 +224,7 @@ def fast_plan(
         candidates = list(driver.fused_backends)
     for name in candidates:
         backend = driver.fused_backends[name]
-        check = functools.partial(check_attention_backend, backend, driver, cfg, block_size)
-        verdict = _guarded("attention", name, check)
+        verdict = check_attention_backend(backend, driver, cfg, block_size)
         admissions.append(verdict)
         if verdict.admitted:
             backend_name = name
