@@ -9,6 +9,7 @@ sorts them into:
 - **views**: ops whose result aliases an input without writing it (``view``, ``transpose``,
   ``split``, ``as_strided``...): metadata only, no device op.
 - **allocations**: ``empty*`` ops: a caching allocator hands out memory without a kernel.
+- **emulated ops** written in plain torch ops (``emulated_op``): one device op each.
 - **host reads**: ``_local_scalar_dense`` (``.item()``, ``bool(tensor)``): the host waits for
   the device; counted as device ops too, and listed apart.
 
@@ -21,9 +22,27 @@ Usage (the lead's graph code can count around ``replay()`` the same way)::
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
+
+_ACTIVE: list[DeviceOpCounter] = []  # the counters entered, innermost last
+_EMULATING = [0]  # depth of emulated_op regions: their inner ops are the test double's
+
+
+@contextlib.contextmanager
+def emulated_op(name: str):
+    """Mark the body as one emulated device op ``name`` (a test double written in plain torch
+    ops, which a custom op would hide): counted once, its inner ops not at all."""
+    for counter in _ACTIVE:
+        counter.by_name[name] += 1
+    _EMULATING[0] += 1
+    try:
+        yield
+    finally:
+        _EMULATING[0] -= 1
+
 
 ALLOCATIONS = frozenset(("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"))
 HOST_READS = frozenset(("_local_scalar_dense",))
@@ -52,7 +71,17 @@ class DeviceOpCounter(TorchDispatchMode):
         self.allocations = 0
         self.host_reads = 0
 
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _EMULATING[0]:
+            return func(*args, **(kwargs or {}))
         name = op_name(func)
         short = name.split(".", 1)[1]
         if is_view(func):

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from drivers.npu import fused_ops as npu
 from drivers.npu.driver import create
+from drivers.npu.emulation import EmulatedTorchNpu
 from drivers.npu.fused import AscendFiaBackend
 from hal.devops import DeviceOpCounter
 from hal.kernels import Kernel, hf_rms_norm
@@ -227,6 +228,11 @@ def test_a_dispatch_mode_sees_one_device_op_per_emulated_kernel_and_no_view():
         x.transpose(0, 1)
     assert dict(ops.by_name) == {"rlt_npu_emulated.npu_rms_norm": 1}
     assert sum(ops.views.values()) == 2
+    # The older emulated op (plain torch ops checking torch_npu's rules) counts once as well.
+    target, index, rows = torch.zeros(8, 2, dtype=BF16), torch.tensor([[1], [3]]), _r(2, 2)
+    with DeviceOpCounter() as ops:
+        EmulatedTorchNpu().npu_scatter_nd_update_(target, index, rows)
+    assert dict(ops.by_name) == {"torch_npu.npu_scatter_nd_update_": 1}
 
 
 # -- the driver's kernels and backend, admitted on the device --------------------------------

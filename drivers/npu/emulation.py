@@ -16,6 +16,7 @@ import os
 import torch
 
 from drivers.npu import fused_ops
+from hal.devops import emulated_op
 
 EMULATE_ENV_VAR = "RLT_HAL_NPU_EMULATE"
 # torch_npu's own documentation of npu_scatter_nd_update_ (torch_npu/_op_plugin_docs.py in the
@@ -120,11 +121,12 @@ class EmulatedTorchNpu:
         Checking the index values reads them, which the real op never does on the host: the
         checks run unobserved (``DisableTorchFunction``), so tests that record every read of
         a tensor see the driver's reads, not the test double's."""
-        with torch._C.DisableTorchFunction():
-            self._check_scatter_nd(target, indices, updates)
-        k = indices.shape[-1]
-        flat = indices.reshape(-1, k).long()
-        target.index_put_(tuple(flat.unbind(-1)), updates.reshape(-1, *target.shape[k:]))
+        with emulated_op("torch_npu.npu_scatter_nd_update_"):  # one device op when counted
+            with torch._C.DisableTorchFunction():
+                self._check_scatter_nd(target, indices, updates)
+            k = indices.shape[-1]
+            flat = indices.reshape(-1, k).long()
+            target.index_put_(tuple(flat.unbind(-1)), updates.reshape(-1, *target.shape[k:]))
         self.scatter_calls += 1
         return target
 
