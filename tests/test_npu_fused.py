@@ -380,3 +380,20 @@ def test_rlt_hal_plan_shows_each_admission(tiny_ckpt):
     assert proc.returncode == 0, proc.stderr
     assert "attention ascend_fia: admitted, within the float64 bound" in proc.stdout
     assert "rotary npu_rotary_mul: admitted" in proc.stdout
+
+
+def test_the_acceptance_fast_plan_part_fails_when_the_device_admits_nothing(tiny_ckpt):
+    from runtime_glue.checks.acceptance import fast_plan_part
+
+    llm = LLM(tiny_ckpt, device="npu", driver_options={"emulate": True}, num_blocks=8)
+    planted = Kernel(
+        "rms_norm", "planted", lambda x, w, e: hf_rms_norm(x, w, e) * 1.03, fast_only=True
+    )  # noqa: E501
+    llm.driver.kernels = (*(k for k in llm.driver.kernels if not k.fast_only), planted)
+    llm.driver.fused_backends = {"ascend_fia": _IgnoresBlockTable(llm.driver.device)}
+    part = fast_plan_part(llm, [], max_tokens=3, prompt_len=8, tolerance=0.5)
+    assert not part.passed and part.details["admitted"] == []
+    assert (
+        len(part.details["refused"]) == 2
+        and "exceeds the float64 bound" in part.details["refused"][0]
+    )  # noqa: E501
