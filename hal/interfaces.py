@@ -147,12 +147,21 @@ class AttentionBackend(abc.ABC):
         Returns ``[N, heads * head_dim]``, rows in the same order as the queries.
         """
 
+    def write_kv(
+        self, kv: KVStore, plane: int, key: torch.Tensor, value: torch.Tensor, meta
+    ) -> None:
+        """Store a step's ``key``/``value`` rows ``[N, kv_heads, d]`` at ``meta.slot_mapping``
+        (a backend with a fused cache write of its own overrides this)."""
+        kv.write(plane, key, value, meta.slot_mapping)
+
 
 class Driver:
     """A device with its attention backends, its KV store factory and its kernels.
 
     ``kernels`` are the driver's own implementations of the ops in ``hal.kernels.OPS``; torch's
     forms (``hal.kernels.TORCH_KERNELS``, named "torch") are always offered besides them.
+    ``fused_backends`` are attention backends that only a fast plan may use, once admitted
+    by a check on the device (``--mode fast``); ``backend(name)`` finds them too.
     """
 
     def __init__(
@@ -162,12 +171,14 @@ class Driver:
         backends: Mapping[str, AttentionBackend],
         default_backend: str,
         kernels: Iterable[Kernel] = (),
+        fused_backends: Mapping[str, AttentionBackend] | None = None,
     ) -> None:
         if default_backend not in backends:
             raise ValueError(f"default backend {default_backend!r} is not among {sorted(backends)}")
         self.name = name
         self.device = device
         self.backends = dict(backends)
+        self.fused_backends = dict(fused_backends or {})
         self.default_backend = default_backend
         self.kernels: tuple[Kernel, ...] = (*TORCH_KERNELS, *kernels)
         names = [(k.op, k.name) for k in self.kernels]
@@ -177,8 +188,10 @@ class Driver:
 
     def backend(self, name: str | None = None) -> AttentionBackend:
         name = name or self.default_backend
+        if name in self.fused_backends:
+            return self.fused_backends[name]
         if name not in self.backends:
-            known = ", ".join(sorted(self.backends))
+            known = ", ".join(sorted([*self.backends, *self.fused_backends]))
             raise ValueError(
                 f"attention backend {name!r} is not offered by driver {self.name!r}; "
                 f"choose one of: {known}"

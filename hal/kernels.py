@@ -13,17 +13,23 @@ Ops and their call signatures:
 - ``silu_mul``: ``fn(gate [M, I], up [M, I]) -> [M, I]``: the MLP's ``silu(gate) * up``.
   ``gate`` and ``up`` may be views with the same row stride (halves of a stacked
   gate|up projection).
+- ``add_rms_norm``: ``fn(x [..., H], residual [..., H], weight [H], eps) -> (normed, sum)``:
+  ``sum = residual + x`` (rounded to the dtype), ``normed = rms_norm(sum)``: a residual add
+  followed by a norm, as a fused kernel takes them.
+- ``rotary``: ``fn(q [N, Hq, d], k [N, Hk, d], cos [N, d], sin [N, d]) -> (q', k')``: NeoX
+  rotary (``x * cos + rotate_half(x) * sin``) of one step's queries and keys.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-OPS = ("linear", "rms_norm", "silu_mul")
+OPS = ("linear", "rms_norm", "silu_mul", "add_rms_norm", "rotary")
 
 
 class KernelUnavailable(RuntimeError):
@@ -47,16 +53,20 @@ class Kernel:
     - ``column_invariant`` (linear): each output column is computed alone, so one call on
       stacked weights (q|k|v) gives the bits of separate calls.
 
+    ``fast_only``: a fused kernel that only ``--mode fast`` may use, and only once a check on
+    the device has admitted it (no other mode ever chooses it).
+
     ``check()`` raises :class:`KernelUnavailable` when the kernel cannot run here (a missing
     compiler, an instruction set this CPU lacks); it may build the kernel on first use.
     """
 
     op: str = attrs.field(validator=attrs.validators.in_(OPS))
     name: str
-    fn: Callable[..., torch.Tensor]
+    fn: Callable[..., Any]  # a tensor (add_rms_norm and rotary: a pair)
     hf_exact: bool = False
     row_invariant: bool = False
     column_invariant: bool = False
+    fast_only: bool = False
     check: Callable[[], None] = _always_available
     description: str = ""
     # Changes whenever the kernel's code does: it keys the execution plan's cached timings.
@@ -83,10 +93,29 @@ def hf_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def hf_add_rms_norm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's residual add (``h = h + x``), then its RMSNorm of the sum."""
+    total = residual + x
+    return hf_rms_norm(total, weight, eps), total
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def hf_rotary(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``apply_rotary_pos_emb`` on ``[N, heads, d]`` queries and keys (bf16 throughout)."""
+    cos, sin = cos[:, None], sin[:, None]  # [N, 1, d]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
 TORCH_KERNELS = (
     Kernel("linear", "torch", F.linear, hf_exact=True, description="F.linear"),
     Kernel("rms_norm", "torch", hf_rms_norm, hf_exact=True, description="HF's torch form"),
     Kernel("silu_mul", "torch", hf_silu_mul, hf_exact=True, description="F.silu(gate) * up"),
+    Kernel("add_rms_norm", "torch", hf_add_rms_norm, hf_exact=True, description="add, HF norm"),
+    Kernel("rotary", "torch", hf_rotary, hf_exact=True, description="HF apply_rotary_pos_emb"),
 )
 
 

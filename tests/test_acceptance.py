@@ -54,8 +54,13 @@ def test_acceptance_passes_on_the_emulated_npu_through_the_cli(tiny_ckpt, tmp_pa
     report = json.loads(out.read_text())
     assert report["passed"] and report["device"].startswith("npu (emulated")
     names = ["reference parity", "cross-device", "chunked prefill", "accuracy", "latency"]
-    assert [p["name"] for p in report["parts"]] == names
+    assert [p["name"] for p in report["parts"]] == [*names, "fast plan"]
     assert all(p["passed"] for p in report["parts"])
+    fast = _parts(report)["fast plan"]["details"]  # the figures a 910B owner reads first
+    assert "attention ascend_fia" in fast["admitted"] and not fast["refused"]
+    assert fast["exact"]["tpot_over_floor"] > 0 and fast["fast"]["tpot_over_floor"] > 0
+    assert fast["max_logit_diff"] > 0 and 0 <= fast["greedy_agreement"] <= 1  # not HF-exact
+    assert fast["prompts"] == 4  # the question set (--limit 4)
     assert md.read_text().startswith(
         "# rlt-hal acceptance on npu (emulated torch_npu on CPU): PASSED"
     )

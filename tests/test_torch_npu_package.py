@@ -104,3 +104,23 @@ def test_the_hf_module_reference_says_why_transformers_cannot_load_here():
     assert "source CANN's set_env.sh where the Ascend stack is installed, or uninstall" in (
         proc.stderr
     )
+
+
+def test_mode_fast_says_what_is_missing_as_device_npu_does(tiny_ckpt):
+    on_npu = _run(
+        "-m", "runtime_glue.cli.main", "plan", "--model", str(tiny_ckpt), "--device", "npu",
+        "--mode", "fast",
+    )  # fmt: skip
+    assert on_npu.returncode == 2
+    assert "device 'npu' (chosen by --device) is not available: CANN is not set up" in (
+        on_npu.stderr
+    )
+    assert "Traceback" not in on_npu.stderr
+    anywhere = _run(
+        "-m", "runtime_glue.cli.main", "plan", "--model", str(tiny_ckpt), "--mode", "fast"
+    )  # noqa: E501
+    assert anywhere.returncode == 0, anywhere.stderr
+    assert "fast mode: cpu offers no fused kernels, so torch's forms run; unavailable here: " in (
+        anywhere.stdout
+    )
+    assert "npu (CANN is not set up" in anywhere.stdout and "set_env.sh" in anywhere.stdout

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from drivers.npu import environment
+from drivers.npu import environment, fused
 from drivers.npu.emulation import emulation_requested
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import Device, Driver, EventFence, Fence
@@ -78,6 +78,7 @@ def import_torch_npu() -> types.SimpleNamespace:
         synchronize=npu.synchronize,
         to_host=lambda tensor: tensor.to("cpu"),
         npu_scatter_nd_update_=torch_npu.npu_scatter_nd_update_,
+        **{name: getattr(torch_npu, name, None) for name in fused.FUSED_OPS},
     )
 
 
@@ -208,6 +209,13 @@ def create(
 ) -> NpuDriver:
     emulate = emulation_requested() if emulate is None else emulate
     device = NpuDevice(index or 0, emulate=emulate, event_delay=event_delay)
-    driver = NpuDriver("npu", device, {"ascend_eager": AscendEagerBackend()}, "ascend_eager")
+    driver = NpuDriver(
+        "npu",
+        device,
+        {"ascend_eager": AscendEagerBackend()},
+        "ascend_eager",
+        kernels=fused.kernels(device),
+        fused_backends={"ascend_fia": fused.AscendFiaBackend(device)},
+    )
     driver.label = device.label
     return driver

@@ -15,6 +15,9 @@ import os
 
 import torch
 
+from drivers.npu import fused_ops
+from hal.devops import emulated_op
+
 EMULATE_ENV_VAR = "RLT_HAL_NPU_EMULATE"
 # torch_npu's own documentation of npu_scatter_nd_update_ (torch_npu/_op_plugin_docs.py in the
 # 2.13.0 wheel): data types of input and updates on Atlas A2/A3 (910B, the parts with bf16).
@@ -68,6 +71,14 @@ class EmulatedTorchNpu:
 
     label = "emulated torch_npu (CPU)"
 
+    # The fused kernels of the fast plan, under torch_npu's names (drivers.npu.fused_ops).
+    npu_rms_norm = staticmethod(fused_ops.npu_rms_norm)
+    npu_add_rms_norm = staticmethod(fused_ops.npu_add_rms_norm)
+    npu_swiglu = staticmethod(fused_ops.npu_swiglu)
+    npu_rotary_mul = staticmethod(fused_ops.npu_rotary_mul)
+    npu_scatter_pa_kv_cache = staticmethod(fused_ops.npu_scatter_pa_kv_cache)
+    npu_fused_infer_attention_score = staticmethod(fused_ops.npu_fused_infer_attention_score)
+
     def __init__(self, event_delay: int = 0, device_count: int = 1) -> None:
         self.event_delay = event_delay
         self._device_count = device_count
@@ -110,11 +121,12 @@ class EmulatedTorchNpu:
         Checking the index values reads them, which the real op never does on the host: the
         checks run unobserved (``DisableTorchFunction``), so tests that record every read of
         a tensor see the driver's reads, not the test double's."""
-        with torch._C.DisableTorchFunction():
-            self._check_scatter_nd(target, indices, updates)
-        k = indices.shape[-1]
-        flat = indices.reshape(-1, k).long()
-        target.index_put_(tuple(flat.unbind(-1)), updates.reshape(-1, *target.shape[k:]))
+        with emulated_op("torch_npu.npu_scatter_nd_update_"):  # one device op when counted
+            with torch._C.DisableTorchFunction():
+                self._check_scatter_nd(target, indices, updates)
+            k = indices.shape[-1]
+            flat = indices.reshape(-1, k).long()
+            target.index_put_(tuple(flat.unbind(-1)), updates.reshape(-1, *target.shape[k:]))
         self.scatter_calls += 1
         return target
 

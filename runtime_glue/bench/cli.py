@@ -67,6 +67,10 @@ def add_parsers(sub) -> None:
     dt.add_argument("--runs", type=int, default=5)
     dt.add_argument("--json", metavar="OUT")
     dt.set_defaults(func=cmd_detokenize)
+    ops = kinds.add_parser("ops", help="device ops per decode token and per layer pass (counted)")
+    _model_args(ops)
+    ops.add_argument("--steps", type=int, default=3, help="decode steps counted")
+    ops.set_defaults(func=cmd_ops)
     srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
     srv.add_argument("--url", required=True)
     srv.add_argument("--model", help="served model name (default: the server's first)")
@@ -174,6 +178,14 @@ def cmd_adaptive(args) -> int:
     llm = _llm(args, _load_tokens(args))
     report = adaptive_depth(llm, args.input_len, args.output_len, args.runs, args.concurrency)
     return _emit_model(args, report, markdown_adaptive(report))
+
+
+def cmd_ops(args) -> int:
+    from runtime_glue.bench.ops_bench import markdown_ops, ops_report
+
+    llm = _llm(args, 4 * args.block_size)
+    report = ops_report(llm, args.steps)
+    return _emit_model(args, report, markdown_ops(report))
 
 
 def cmd_detokenize(args) -> int:

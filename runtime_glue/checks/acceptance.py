@@ -12,6 +12,13 @@ Five parts, each passed or failed, in one JSON and markdown report:
 - **accuracy**: ``rlt-hal eval`` of rlt-hal against the reference on the device: every question
   gets the same output from both.
 - **latency**: ``rlt-hal bench latency`` on the device: its figures against their floors.
+- **fast plan** (``--mode fast``, where the driver offers fused kernels): which fused kernels
+  the device admitted; TPOT and TPOT/floor of the exact and the fast plan; the fast plan's
+  largest logit difference from the exact plan (while both are fed the same tokens) and its
+  greedy-token agreement on the question set. It passes when the device admitted a fused
+  kernel and every figure was measured; whether the logits stayed within ``--tolerance`` is
+  reported, not required: a fast plan keeps no bits, and on a random toy checkpoint even
+  deterministic mode (another correct rounding order) moves logits by about as much.
 """
 
 from __future__ import annotations
@@ -130,6 +137,53 @@ def latency_part(llm: LLM, prompt_len: int, output_len: int) -> Part:
     return Part("latency", ok, summary, {"latency": report, "table": markdown_latency(report)})
 
 
+def _tpot(llm: LLM, prompt_len: int, output_len: int) -> dict:
+    from runtime_glue.bench.engine_bench import latency
+
+    row = latency(llm, [prompt_len], output_len, runs=1, warmup=0)["results"][0]
+    return {"tpot_s": row["tpot_s"]["p50"], "tpot_over_floor": row["tpot_over_decode_floor"]}
+
+
+def fast_plan_part(llm: LLM, questions, max_tokens: int, prompt_len: int, tolerance: float) -> Part:
+    from runtime_glue.checks.evaluation import DEFAULT_TEMPLATE
+
+    fast = llm.variant(mode="fast")
+    admitted = [f"{a.op} {a.kernel}" for a in fast.plan.admissions if a.admitted]
+    refused = [f"{a.op} {a.kernel}: {a.why}" for a in fast.plan.admissions if not a.admitted]
+    prompts = [
+        llm.encode(DEFAULT_TEMPLATE.format(question=q.question)) for q in questions
+    ] or _prompts(llm)
+    worst, agree, total = 0.0, 0, 0
+    for prompt in prompts:
+        a, b = _greedy(llm, prompt, max_tokens), _greedy(fast, prompt, max_tokens)
+        check = within_tolerance(a.token_ids, a.logits, b.token_ids, b.logits, tolerance)
+        worst = max(worst, check.max_logit_diff)
+        agree += sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=False))
+        total += len(a.token_ids)
+    exact_t, fast_t = _tpot(llm, prompt_len, max_tokens), _tpot(fast, prompt_len, max_tokens)
+    summary = (
+        f"{len(admitted)} fused kernels admitted; TPOT {exact_t['tpot_s'] * 1e3:.1f} ms "
+        f"({exact_t['tpot_over_floor']:.1f}x floor) exact, {fast_t['tpot_s'] * 1e3:.1f} ms "
+        f"({fast_t['tpot_over_floor']:.1f}x floor) fast; logits within {worst:.4g} of the "
+        f"exact plan's ({'within' if worst <= tolerance else 'outside'} the tolerance "
+        f"{tolerance}); greedy tokens agree {agree}/{total}"
+    )
+    details = {
+        "plan": fast.plan.describe(),
+        "admitted": admitted,
+        "refused": refused,
+        "exact": {"plan": llm.plan.describe(), **exact_t},
+        "fast": {"plan": fast.plan.describe(), **fast_t},
+        "max_logit_diff": worst,
+        "within_tolerance": worst <= tolerance,
+        "greedy_agreement": agree / total if total else 1.0,
+        "prompts": len(prompts),
+    }
+    figures = [exact_t["tpot_over_floor"], fast_t["tpot_over_floor"], worst]
+    measured = all(math.isfinite(x) for x in figures) and total > 0
+    return Part("fast plan", bool(admitted) and measured, summary, details)
+
+
 def _guarded(name: str, run: Callable[[], Part]) -> Part:
     try:
         return run()
@@ -173,6 +227,13 @@ def acceptance(
         _guarded("accuracy", lambda: accuracy(llm, reference, questions, max_tokens)),
         _guarded("latency", lambda: latency_part(llm, prompt_len, max_tokens)),
     ]
+    if any(k.fast_only for k in llm.driver.kernels) or llm.driver.fused_backends:
+        parts.append(
+            _guarded(
+                "fast plan",
+                lambda: fast_plan_part(llm, questions, max_tokens, prompt_len, tolerance),
+            )
+        )
     return {
         "device": llm.driver.label,
         "model": str(llm.model_dir),

@@ -51,6 +51,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.describe())
     for note in plan.notes:
         print(f"  {note}")
+    for a in plan.admissions:  # --mode fast: each fused kernel's check on this device
+        print(f"  {a.op} {a.kernel}: {'admitted' if a.admitted else 'refused'}, {a.why}")
     if plan.measurements:
         print("\n| op | rows of | kernel | call rows | ms | chosen |\n|---|---|---|---|---|---|")
         for m in plan.measurements:

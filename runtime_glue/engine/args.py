@@ -126,6 +126,14 @@ class EngineArgs:
         "keeps HF's own bits for a lone request (default: the backend's choice, on for cpu)",
         action=argparse.BooleanOptionalAction,
     )
+    mode: str | None = cli_field(
+        None,
+        "fast: the driver's fused kernels, each admitted only after a check against float64 on "
+        "this device at this model's shapes (rlt-hal plan shows each verdict; not HF-exact); "
+        "deterministic or hf-exact: as --deterministic / --no-deterministic (default: the "
+        "backend's choice)",
+        choices=["fast", "deterministic", "hf-exact"],
+    )
     exit_threshold: float | None = cli_field(
         None,
         "default exit threshold of Ouro's gate for requests that choose none (in (0, 1]; "

@@ -104,7 +104,8 @@ class LLM:
         self.model_dir = args.model_dir()
         self.config = OuroConfig.from_dir(self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.driver = (registry or default_registry()).create(args.device, **(driver_options or {}))
+        registry = registry or default_registry()
+        self.driver = registry.create(args.device, **(driver_options or {}))
         self.driver.device.initialize()
         self.driver.backend(args.attention_backend)  # an unknown name fails before loading weights
         weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
@@ -122,19 +123,26 @@ class LLM:
         self.allocator = BlockAllocator(blocks, args.block_size)  # shared by variants, as the pool
         self.enable_prefix_caching = args.enable_prefix_caching
         logger.info("%s", self.kv_summary)
-        self._build(
-            resolve(
-                self.driver,
-                cfg,
-                weights,
-                args.attention_backend,
-                args.deterministic,
-                args.linear,
-                args.exit_at_step,
-                args.exit_threshold,
-                args.adaptive_depth,
-            )
+        plan = resolve(
+            self.driver,
+            cfg,
+            weights,
+            args.attention_backend,
+            args.deterministic,
+            args.linear,
+            args.exit_at_step,
+            args.exit_threshold,
+            args.adaptive_depth,
+            mode=args.mode,
+            block_size=args.block_size,
         )
+        if args.mode == "fast" and not plan.admissions:
+            from runtime_glue.ouro.admission import nothing_to_admit
+
+            note = nothing_to_admit(self.driver, registry)
+            logger.warning("%s", note)
+            plan = attrs.evolve(plan, notes=(*plan.notes, note))
+        self._build(plan)
         self._next_id = 0
 
     def _build(self, plan: ExecutionPlan) -> None:
@@ -159,6 +167,7 @@ class LLM:
         deterministic: bool | None = None,
         linear: str | None = None,
         adaptive_depth: bool | None = None,
+        mode: str | None = None,
     ) -> LLM:
         """The same weights and KV pool under the plan these flags resolve to (benchmarks
         compare plans this way). Run one of the two at a time: they share the KV pool and its
@@ -170,12 +179,14 @@ class LLM:
             self.driver,
             self.config,
             self.weights,
-            self.plan.attention,
+            self.args.attention_backend if mode is not None else self.plan.attention,
             deterministic,
             linear,
             defaults.step,
             defaults.threshold,
             adaptive,
+            mode=mode,
+            block_size=self.args.block_size,
         )
         other._build(plan)
         return other

@@ -27,6 +27,7 @@ from hal.interfaces import Driver, KVStore
 from hal.types import AttentionMetadata
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode, exit_pdf, threshold_steps
+from runtime_glue.ouro.fused import FusedLoop
 from runtime_glue.ouro.plan import KINDS, OPS, ExecutionPlan, hal_op, row_function
 
 # recorder(loop, layer, op, tensor): sees intermediate tensors (used by the parity locator).
@@ -154,6 +155,7 @@ class OuroModel:
         self._cos = self._sin = torch.empty(1, 0, d, dtype=self.embed.dtype, device=device)
         self.scaling = d**-0.5
         self.recorder: Recorder | None = None
+        self.fused = FusedLoop(self, plan, driver) if plan.fused else None  # --mode fast
 
     def rope(self, positions: torch.Tensor, max_position: int):
         """cos, sin ``[1, N, d]``: angles in fp32, cast to bf16 last, as HF computes them.
@@ -233,7 +235,9 @@ class OuroModel:
         gates: list[torch.Tensor] = []
         meta = step.attention
         for t in range(T):
-            if h.shape[0]:  # adaptive depth may have sent every row home
+            if h.shape[0] and self.fused is not None:
+                h = self.fused.loop(t, h, cos, sin, meta, rows)
+            elif h.shape[0]:  # adaptive depth may have sent every row home
                 for li in range(self.cfg.num_hidden_layers):
                     h = self.layer(t, li, h, cos, sin, meta, rows)
                 h = rows("rms_norm", h, self.norm, eps)

@@ -25,7 +25,11 @@ Modes:
 
   If no offered kernel passes for some op, an explicitly requested mode refuses to start
   (naming the op and its shape); the default mode falls back to hf-exact and logs why.
-- ``fast``: a kernel the user named, outside deterministic mode: neither guarantee.
+- ``fast``: a kernel the user named, outside deterministic mode: neither guarantee. With
+  ``--mode fast`` the driver's fused kernels and fused attention backend, each admitted only
+  after a comparison on this device at this model's shapes (``runtime_glue.ouro.admission``);
+  the plan records every verdict (``ExecutionPlan.admissions``) and ``fused`` names the
+  kernels of the fused-only ops (``add_rms_norm``, ``rotary``), torch's where refused.
 
 How the plan is resolved, by checks and measurements: ``runtime_glue.ouro.resolve``.
 """
@@ -73,6 +77,18 @@ class Measurement:
 
 
 @attrs.frozen
+class Admission:
+    """One fused kernel's check on the device: its worst error against float64, the bound."""
+
+    op: str
+    kernel: str
+    admitted: bool
+    why: str
+    error: float | None = None  # max over elements of |out - f64| / bound scale
+    bound: float | None = None
+
+
+@attrs.frozen
 class ExecutionPlan:
     mode: str  # "deterministic", "hf-exact" or "fast"
     attention: str
@@ -83,6 +99,8 @@ class ExecutionPlan:
     notes: tuple[str, ...] = ()  # why: fallbacks, refused kernels, where timings came from
     exit_defaults: ExitMode = ExitMode()  # for requests that choose no exit mode
     adaptive_depth: bool = False  # exiting decode rows skip their remaining loops
+    fused: tuple[tuple[str, str], ...] = ()  # --mode fast: kernel of add_rms_norm and rotary
+    admissions: tuple[Admission, ...] = ()  # --mode fast: each fused kernel's verdict
 
     @property
     def deterministic(self) -> bool:
@@ -107,6 +125,8 @@ class ExecutionPlan:
         ops = ", ".join(f"{op} {kinds(op)}" for op in OPS)
         exits = f"; {self.exit_defaults.describe()} by default"
         adaptive = ", adaptive depth" if self.adaptive_depth else ""
+        if self.fused:
+            ops += ", " + ", ".join(f"{op} {k}" for op, k in self.fused)
         return f"{self.mode} mode, {self.attention} attention; {ops}{fused}{exits}{adaptive}"
 
     def to_json(self) -> dict:
@@ -119,6 +139,8 @@ class ExecutionPlan:
             "notes": list(self.notes),
             "exit_defaults": attrs.asdict(self.exit_defaults),
             "adaptive_depth": self.adaptive_depth,
+            "fused": dict(self.fused),
+            "admissions": [attrs.asdict(a) for a in self.admissions],
         }
 
 

@@ -271,8 +271,14 @@ def resolve(
     exit_at_step: int | None = None,
     exit_threshold: float | None = None,
     adaptive_depth: bool = False,
+    mode: str | None = None,
+    block_size: int = 128,
 ) -> ExecutionPlan:
     """The plan for this model on this driver.
+
+    ``mode``: "fast" (fused kernels, each admitted by a check on the device at this model's
+    shapes and the KV ``block_size``: ``runtime_glue.ouro.admission``), "deterministic" or
+    "hf-exact" (``deterministic`` True or False: the older spelling of the same choice).
 
     ``deterministic``: True, the mode or an error; False, HF-exact (or fast, with a ``linear``
     that is not HF-exact); None, the backend's default (the mode where the backend measured it
@@ -282,11 +288,34 @@ def resolve(
     checkpoint's); ``adaptive_depth`` lets exiting decode rows skip their remaining loops.
     """
     exits = _exit_defaults(cfg, exit_at_step, exit_threshold)
+    deterministic = mode_to_deterministic(mode, deterministic)
+    if mode == "fast":
+        from runtime_glue.ouro.admission import fast_plan
+
+        plan = fast_plan(driver, cfg, weights, attention, linear, block_size)
+    else:
+        plan = _resolve_kernels(driver, cfg, weights, attention, deterministic, linear)
     return attrs.evolve(
-        _resolve_kernels(driver, cfg, weights, attention, deterministic, linear),
+        plan,
         exit_defaults=exits,
         adaptive_depth=adaptive_depth,
     )
+
+
+MODES = ("fast", "deterministic", "hf-exact")
+
+
+def mode_to_deterministic(mode: str | None, deterministic: bool | None) -> bool | None:
+    """``--mode`` against ``--[no-]deterministic`` (its aliases): the one choice they make."""
+    if mode is None:
+        return deterministic
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    implied = {"deterministic": True, "hf-exact": False, "fast": None}[mode]
+    if deterministic is not None and deterministic != implied:
+        flag = "--deterministic" if deterministic else "--no-deterministic"
+        raise ValueError(f"--mode {mode} contradicts {flag} (an alias of another mode)")
+    return bool(implied)
 
 
 def _exit_defaults(cfg: OuroConfig, step: int | None, threshold: float | None) -> ExitMode:
@@ -338,6 +367,8 @@ def _candidates(driver: Driver, op: str, linear: str | None) -> tuple[list[Kerne
     notes: list[str] = []
     for kernel in driver.kernels_for(hal_op(op)):
         if hal_op(op) == "linear" and linear is not None and kernel.name != linear:
+            continue
+        if kernel.fast_only:  # admitted by --mode fast's own check, never chosen here
             continue
         why = kernel.available()
         if why is None:

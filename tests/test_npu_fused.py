@@ -1,0 +1,399 @@
+"""The fast plan on the emulated npu: the EMULATED fused torch_npu ops (a test double for
+Ascend hardware, ``drivers.npu.fused_ops``), their admission at start-up, and their count.
+
+Each emulated op is checked against a plain torch composition written here, values and
+meta shapes (torch_npu's meta functions' rules); each check is shown to catch a planted bug
+(a test double that passes its own bug proves nothing). Nothing here is a hardware result.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import attrs
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from drivers.npu import fused_ops as npu
+from drivers.npu.driver import create
+from drivers.npu.emulation import EmulatedTorchNpu
+from drivers.npu.fused import AscendFiaBackend
+from hal.devops import DeviceOpCounter
+from hal.kernels import Kernel, hf_rms_norm
+from hal.types import AttentionMetadata
+from runtime_glue.checks.parity import within_tolerance
+from runtime_glue.engine.args import EngineArgs
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.admission import check_attention_backend, fast_plan
+from runtime_glue.ouro.plan import OpChoice
+from tests.helpers import prompt_of, rlt_hal
+
+BF16 = torch.bfloat16
+
+
+def _r(*shape, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(BF16)
+
+
+# -- each op against a torch composition (and the planted bug it must catch) ----------------
+
+
+def rms_norm_problem(op) -> str | None:
+    x, w = _r(4, 3, 64, seed=1, scale=3.0), _r(64, seed=2)
+    y, rstd = op(x, w, 1e-6)
+    xf = x.float()
+    want_rstd = 1.0 / torch.sqrt((xf * xf).mean(-1, keepdim=True) + 1e-6)
+    want = (xf * want_rstd * w.float()).to(BF16)
+    if rstd.shape != (4, 3, 1) or rstd.dtype != torch.float32:
+        return f"rstd is {list(rstd.shape)} {rstd.dtype}, not [4, 3, 1] float32"
+    if (y.float() - want.float()).abs().max() > 2**-7 * want.float().abs().max():
+        return "y differs from x * rsqrt(mean(x^2) + eps) * gamma"
+    return None
+
+
+def add_rms_norm_problem(op) -> str | None:
+    x1, x2, w = _r(5, 64, seed=3), _r(5, 64, seed=4, scale=2.0), _r(64, seed=5)
+    y, rstd, total = op(x1, x2, w, 1e-6)
+    if not torch.equal(total, x1 + x2):
+        return "the third output is not x1 + x2"
+    if rstd.shape != (5, 1):
+        return f"rstd is {list(rstd.shape)}"
+    if not torch.equal(y, npu.npu_rms_norm(x1 + x2, w, 1e-6)[0]):
+        return "y is not rms_norm(x1 + x2)"
+    return None
+
+
+def swiglu_problem(op) -> str | None:
+    x = _r(3, 2, 40, seed=6, scale=3.0)
+    a, b = x[..., :20].float(), x[..., 20:].float()
+    want = (torch.nn.functional.silu(a) * b).to(BF16)
+    got = op(x, -1)
+    if got.shape != (3, 2, 20) or (got.float() - want.float()).abs().max() > 2**-7 * 8:
+        return "not silu(first half) * second half"
+    return None
+
+
+def rotary_problem(op) -> str | None:
+    x = _r(1, 6, 4, 32, seed=7)
+    cos, sin = _r(1, 6, 1, 32, seed=8).clamp(-1, 1), _r(1, 6, 1, 32, seed=9).clamp(-1, 1)
+    half = torch.cat((-x[..., 16:], x[..., :16]), -1).float()
+    want = (x.float() * cos.float() + half * sin.float()).to(BF16)
+    got = op(x, cos, sin)
+    if got.shape != x.shape or not torch.allclose(got.float(), want.float(), atol=2**-6):
+        return "not x * cos + rotate_half(x) * sin"
+    return None
+
+
+def scatter_problem(op) -> str | None:
+    kc, vc = torch.zeros(4, 16, 2, 8, dtype=BF16), torch.zeros(4, 16, 2, 8, dtype=BF16)
+    k, v = _r(3, 2, 8, seed=10), _r(3, 2, 8, seed=11)
+    slots = torch.tensor([17, 0, 63])
+    op(k, v, kc, vc, slots, cache_mode="Norm")
+    for i, s in enumerate(slots.tolist()):
+        if not (torch.equal(kc[s // 16, s % 16], k[i]) and torch.equal(vc[s // 16, s % 16], v[i])):
+            return f"row {i} is not at slot {s} (block {s // 16}, offset {s % 16})"
+    if kc.count_nonzero() != k.count_nonzero():
+        return "rows were written outside their slots"
+    return None
+
+
+def _paged_case(block_size=128, q_lens=(3, 1), ctx=(130, 7), heads=4, kv_heads=2, d=32):
+    """A paged cache, block tables that are not the identity, and the plain composition."""
+    nb = 6
+    kc, vc = _r(nb, block_size, kv_heads * d, seed=12), _r(nb, block_size, kv_heads * d, seed=13)
+    tables = torch.tensor([[4, 1], [2, 0]], dtype=torch.int32)
+    kv_lens = [c + n for c, n in zip(ctx, q_lens, strict=True)]
+    q = _r(sum(q_lens), heads, d, seed=14)
+    want, start = [], 0
+    for b, (n, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        rows = [tables[b, p // block_size] * block_size + p % block_size for p in range(kv)]
+        k = kc.view(-1, kv_heads, d)[torch.tensor(rows)].float().repeat_interleave(2, 1)
+        v = vc.view(-1, kv_heads, d)[torch.tensor(rows)].float().repeat_interleave(2, 1)
+        s = torch.einsum("snd,knd->nsk", q[start : start + n].float(), k) * d**-0.5
+        hidden = torch.arange(kv)[None] > torch.arange(n)[:, None] + kv - n
+        p = s.masked_fill(hidden, float("-inf")).softmax(-1)
+        want.append(torch.einsum("nsk,knd->snd", p, v))
+        start += n
+    args = (q, kc, vc)
+    kwargs = dict(
+        atten_mask=npu.causal_mask(), actual_seq_lengths=list(torch.tensor(q_lens).cumsum(0)),
+        actual_seq_lengths_kv=kv_lens, block_table=tables, num_heads=heads, scale=d**-0.5,
+        input_layout="TND", num_key_value_heads=kv_heads, sparse_mode=3, block_size=block_size,
+    )  # fmt: skip
+    return args, kwargs, torch.cat(want)
+
+
+def fia_problem(op) -> str | None:
+    args, kwargs, want = _paged_case()
+    out, lse = op(*args, **kwargs)
+    if out.shape != args[0].shape or lse.shape != (0,):
+        return f"shapes {list(out.shape)}, {list(lse.shape)}"
+    if (out.float() - want).abs().max() > 0.02:
+        return "attention differs from softmax(q k^T * scale, right-down causal) v over the pages"
+    return None
+
+
+def _swapped_swiglu(x, dim):
+    a, b = x.chunk(2, dim)
+    return npu.npu_swiglu(torch.cat((b, a), dim), dim)
+
+
+def _sign_flipped_rotary(x, r1, r2):
+    return npu.npu_rotary_mul(x, r1, -r2)
+
+
+def _off_by_one_scatter(k, v, kc, vc, slots, cache_mode=None):
+    npu.npu_scatter_pa_kv_cache(k, v, kc, vc, (slots + 1) % 64, cache_mode=cache_mode)
+
+
+def _fia_ignoring_block_table(q, k, v, **kw):
+    return npu.npu_fused_infer_attention_score(
+        q, k, v, **{**kw, "block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)}
+    )
+
+
+def _fia_ignoring_kv_lengths(q, k, v, **kw):
+    full = [kw["block_table"].shape[1] * kw["block_size"]] * len(kw["actual_seq_lengths_kv"])
+    return npu.npu_fused_infer_attention_score(q, k, v, **{**kw, "actual_seq_lengths_kv": full})
+
+
+CASES = {
+    "npu_rms_norm": (rms_norm_problem, npu.npu_rms_norm, lambda x, w, e: (hf_rms_norm(x, w, e) * 1.02, npu.npu_rms_norm(x, w, e)[1])),  # noqa: E501
+    "npu_add_rms_norm": (add_rms_norm_problem, npu.npu_add_rms_norm, lambda a, b, w, e: (*npu.npu_add_rms_norm(a, b, w, e)[:2], a)),  # noqa: E501
+    "npu_swiglu": (swiglu_problem, npu.npu_swiglu, _swapped_swiglu),
+    "npu_rotary_mul": (rotary_problem, npu.npu_rotary_mul, _sign_flipped_rotary),
+    "npu_scatter_pa_kv_cache": (scatter_problem, npu.npu_scatter_pa_kv_cache, _off_by_one_scatter),  # noqa: E501
+    "fia_block_table": (fia_problem, npu.npu_fused_infer_attention_score, _fia_ignoring_block_table),  # noqa: E501
+    "fia_kv_lengths": (fia_problem, npu.npu_fused_infer_attention_score, _fia_ignoring_kv_lengths),  # noqa: E501
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_emulated_op_matches_its_torch_composition_and_the_check_catches_a_planted_bug(name):
+    problem, op, planted = CASES[name]
+    assert problem(op) is None
+    assert problem(planted) is not None, f"{name}: the check misses its planted bug"
+
+
+def test_the_emulated_ops_meta_shapes_are_torch_npus():
+    with FakeTensorMode():
+        x, w = torch.empty(2, 7, 64, dtype=BF16), torch.empty(64, dtype=BF16)
+        y, rstd = npu.npu_rms_norm(x, w)
+        assert (y.shape, rstd.shape, rstd.dtype) == (x.shape, (2, 7, 1), torch.float32)
+        assert [t.shape for t in npu.npu_add_rms_norm(x, x, w)] == [x.shape, (2, 7, 1), x.shape]
+        assert npu.npu_swiglu(torch.empty(3, 11, 10), dim=1).shape == (3, 5, 10)  # floor(11/2)
+        r = torch.empty(1, 7, 1, 64, dtype=BF16)
+        assert npu.npu_rotary_mul(torch.empty(1, 7, 4, 64, dtype=BF16), r, r).shape == (1, 7, 4, 64)  # noqa: E501
+        q = torch.empty(5, 4, 32, dtype=BF16)
+        out, lse = torch.ops.rlt_npu_emulated.npu_fused_infer_attention_score(
+            q, torch.empty(2, 128, 64, dtype=BF16), torch.empty(2, 128, 64, dtype=BF16), None,
+            [5], [5], torch.empty(1, 2, dtype=torch.int32), 4, 0.1, 2, 3, 128,
+        )  # fmt: skip
+        assert out.shape == q.shape and lse.shape == (0,)
+
+
+def test_the_emulated_ops_enforce_torch_npus_documented_rules():
+    kc = torch.zeros(2, 16, 2, 8, dtype=BF16)
+    k = _r(4, 2, 8)
+    with pytest.raises(RuntimeError, match="inputs must be contiguous"):
+        npu.npu_scatter_pa_kv_cache(
+            k[::2], k[::2], kc, kc.clone(), torch.tensor([0, 1]), cache_mode="Norm"
+        )  # noqa: E501
+    with pytest.raises(RuntimeError, match="must not repeat"):
+        npu.npu_scatter_pa_kv_cache(
+            k, k, kc, kc.clone(), torch.tensor([0, 1, 1, 2]), cache_mode="Norm"
+        )  # noqa: E501
+    with pytest.raises(NotImplementedError, match="NZ format"):
+        npu.npu_scatter_pa_kv_cache(k, k, kc, kc.clone(), torch.tensor([0, 1, 2, 3]))
+    args, kwargs, _ = _paged_case(block_size=128)
+    with pytest.raises(RuntimeError, match="block_size must be a multiple of 128"):
+        q, kc, vc = args
+        npu.npu_fused_infer_attention_score(
+            q, kc.view(12, 64, -1), vc.view(12, 64, -1), **{**kwargs, "block_size": 64}
+        )  # noqa: E501
+    with pytest.raises(RuntimeError, match="2048x2048 causal mask"):
+        npu.npu_fused_infer_attention_score(*args, **{**kwargs, "atten_mask": None})
+    with pytest.raises(NotImplementedError, match="only input_layout='TND'"):
+        npu.npu_fused_infer_attention_score(*args, **{**kwargs, "input_layout": "BSND"})
+
+
+def test_a_dispatch_mode_sees_one_device_op_per_emulated_kernel_and_no_view():
+    x, w = _r(3, 64), _r(64)
+    with DeviceOpCounter() as ops:
+        npu.npu_rms_norm(x.view(3, 1, 64), w)
+        x.transpose(0, 1)
+    assert dict(ops.by_name) == {"rlt_npu_emulated.npu_rms_norm": 1}
+    assert sum(ops.views.values()) == 2
+    # The older emulated op (plain torch ops checking torch_npu's rules) counts once as well.
+    target, index, rows = torch.zeros(8, 2, dtype=BF16), torch.tensor([[1], [3]]), _r(2, 2)
+    with DeviceOpCounter() as ops:
+        EmulatedTorchNpu().npu_scatter_nd_update_(target, index, rows)
+    assert dict(ops.by_name) == {"torch_npu.npu_scatter_nd_update_": 1}
+
+
+# -- the driver's kernels and backend, admitted on the device --------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulated_npu():
+    driver = create(emulate=True)
+    driver.device.initialize()
+    return driver
+
+
+def test_ascend_fia_is_admitted_at_block_size_128_and_refused_at_16_saying_why(
+    emulated_npu, tiny_config
+):
+    fia = emulated_npu.backend("ascend_fia")
+    ok = check_attention_backend(fia, emulated_npu, tiny_config, 128)
+    assert ok.admitted, ok.why
+    assert ok.error is not None and ok.error < 0.2, ok.why
+    refused = check_attention_backend(fia, emulated_npu, tiny_config, 16)
+    assert not refused.admitted
+    assert "block_size must be a multiple of 128" in refused.why
+
+
+class _IgnoresBlockTable(AscendFiaBackend):
+    """Test double: ascend_fia reading the blocks in order, as if the table were the identity."""
+
+    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        table = torch.arange(meta.block_tables.numel(), dtype=torch.int32)
+        meta = AttentionMetadata(
+            meta.block_size, meta.slot_mapping, table.view(meta.block_tables.shape),
+            meta.seq_lens, meta.context_lens, meta.query_start_loc,
+            meta.host_query_start_loc, meta.host_context_lens,
+        )  # fmt: skip
+        return super().forward(query, plane, kv, meta, scaling)
+
+
+def test_a_planted_attention_bug_is_refused_at_start_up(emulated_npu, tiny_config):
+    bad = check_attention_backend(
+        _IgnoresBlockTable(emulated_npu.device), emulated_npu, tiny_config, 128
+    )  # noqa: E501
+    assert not bad.admitted and "exceeds the float64 bound" in bad.why
+
+
+@pytest.fixture(scope="module")
+def fast_llm(tiny_ckpt):
+    return LLM(tiny_ckpt, device="npu", driver_options={"emulate": True}, mode="fast",
+               block_size=128, num_blocks=8)  # fmt: skip
+
+
+def test_mode_fast_admits_every_fused_kernel_and_says_so(fast_llm):
+    plan = fast_llm.plan
+    assert plan.mode == "fast" and plan.attention == "ascend_fia"
+    verdicts = {(a.op, a.kernel): a for a in plan.admissions}
+    assert set(verdicts) == {
+        ("rms_norm", "npu_rms_norm"), ("add_rms_norm", "npu_add_rms_norm"),
+        ("silu_mul", "npu_swiglu"), ("rotary", "npu_rotary_mul"), ("attention", "ascend_fia"),
+    }  # fmt: skip
+    assert all(a.admitted and "within the float64 bound" in a.why for a in verdicts.values())
+    assert plan.choice("generated", "rms_norm").kernel == "npu_rms_norm"
+    assert dict(plan.fused) == {"add_rms_norm": "npu_add_rms_norm", "rotary": "npu_rotary_mul"}
+    assert "npu_swiglu" in plan.describe()
+
+
+def test_a_planted_bad_fused_kernel_is_refused_and_the_exact_kernel_kept(fast_llm):
+    driver = create(emulate=True)
+    bad = Kernel("rms_norm", "planted", lambda x, w, e: hf_rms_norm(x, w, e) * 1.03, fast_only=True)  # noqa: E501
+    driver.kernels = tuple(k for k in driver.kernels if k.name != "npu_rms_norm") + (bad,)
+    plan = fast_plan(driver, fast_llm.config, fast_llm.weights, None, None, 128)
+    (verdict,) = [a for a in plan.admissions if a.kernel == "planted"]
+    assert not verdict.admitted and "exceeds the float64 bound" in verdict.why
+    assert plan.choice("prompt", "rms_norm").kernel == "torch"
+
+
+def test_fast_mode_at_block_size_16_keeps_the_eager_backend_and_says_why(tiny_ckpt):
+    llm = LLM(tiny_ckpt, device="npu", driver_options={"emulate": True}, mode="fast",
+              block_size=16, num_blocks=8)  # fmt: skip
+    assert llm.plan.attention == "ascend_eager"
+    (fia,) = [a for a in llm.plan.admissions if a.kernel == "ascend_fia"]
+    assert not fia.admitted and "multiple of 128" in fia.why
+
+
+def _greedy(llm, prompts, n=6):
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    return llm.generate(prompts, params, return_logits=True)
+
+
+PROMPTS = [prompt_of(150, seed=1), prompt_of(9, seed=2), prompt_of(1, seed=3)]
+
+
+def test_the_fused_loop_with_torchs_kernels_gives_the_exact_plans_bits(fast_llm):
+    # Only the grouping differs (each residual add fused with the norm after it); with torch's
+    # forms in every slot, the fused loop is the exact plan bit for bit, in a batch.
+    torch_only = tuple((op, OpChoice("torch")) for op, _ in fast_llm.plan.prompt)
+    plan = attrs.evolve(
+        fast_llm.plan, attention="ascend_eager", prompt=torch_only, generated=torch_only,
+        fused=(("add_rms_norm", "torch"), ("rotary", "torch")),
+    )  # fmt: skip
+    fused = copy.copy(fast_llm)
+    fused._build(plan)
+    exact = fast_llm.variant(mode="hf-exact")
+    for a, b in zip(_greedy(exact, PROMPTS), _greedy(fused, PROMPTS), strict=True):
+        assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
+
+
+def test_the_fast_plan_decodes_close_to_the_exact_plan_in_batches_and_prefill(fast_llm):
+    exact = fast_llm.variant(mode="hf-exact")
+    assert exact.plan.mode == "hf-exact" and exact.plan.attention == "ascend_eager"
+    # Tolerance: on this random tiny model deterministic mode (the same arithmetic in another
+    # rounding order) is itself 0.44 from HF-exact; the fused kernels must stay within 1.0,
+    # as long as both runs are fed the same tokens.
+    for a, b in zip(_greedy(exact, PROMPTS), _greedy(fast_llm, PROMPTS), strict=True):
+        check = within_tolerance(a.token_ids, a.logits, b.token_ids, b.logits, 1.0)
+        assert check.max_logit_diff <= 1.0, check
+        assert check.max_logit_diff > 0  # not HF-exact, and not claimed to be
+
+
+def test_mode_and_its_aliases_cannot_contradict_each_other(tiny_ckpt):
+    with pytest.raises(ValueError, match="--mode fast contradicts --deterministic"):
+        LLM(tiny_ckpt, device="cpu", mode="fast", deterministic=True, num_blocks=2)
+    assert EngineArgs(mode="hf-exact").mode == "hf-exact"
+
+
+def test_bench_ops_counts_fast_and_exact_plans_on_the_emulated_npu(tiny_ckpt, tmp_path):
+    out = tmp_path / "ops.json"
+    proc = rlt_hal(
+        "bench", "ops", "--model", str(tiny_ckpt), "--device", "npu", "--mode", "fast",
+        "--block-size", "128", "--json", str(out), env={**os.environ, "RLT_HAL_NPU_EMULATE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    fast, exact = report["plan"], report["hf_exact"]
+    assert report["emulated"] and "EMULATED" in proc.stdout
+    assert fast["mode"] == "fast" and exact["mode"] == "hf-exact"
+    assert fast["device_ops_per_layer_pass"] <= 20 < exact["device_ops_per_layer_pass"]
+    assert "rlt_npu_emulated.npu_fused_infer_attention_score" in fast["top_ops"]
+    assert fast["host_calls_per_decode_step_graph_replay"] is None  # no step graphs here
+
+
+def test_rlt_hal_plan_shows_each_admission(tiny_ckpt):
+    proc = rlt_hal(
+        "plan", "--model", str(tiny_ckpt), "--device", "npu", "--mode", "fast",
+        env={**os.environ, "RLT_HAL_NPU_EMULATE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "attention ascend_fia: admitted, within the float64 bound" in proc.stdout
+    assert "rotary npu_rotary_mul: admitted" in proc.stdout
+
+
+def test_the_acceptance_fast_plan_part_fails_when_the_device_admits_nothing(tiny_ckpt):
+    from runtime_glue.checks.acceptance import fast_plan_part
+
+    llm = LLM(tiny_ckpt, device="npu", driver_options={"emulate": True}, num_blocks=8)
+    planted = Kernel(
+        "rms_norm", "planted", lambda x, w, e: hf_rms_norm(x, w, e) * 1.03, fast_only=True
+    )  # noqa: E501
+    llm.driver.kernels = (*(k for k in llm.driver.kernels if not k.fast_only), planted)
+    llm.driver.fused_backends = {"ascend_fia": _IgnoresBlockTable(llm.driver.device)}
+    part = fast_plan_part(llm, [], max_tokens=3, prompt_len=8, tolerance=0.5)
+    assert not part.passed and part.details["admitted"] == []
+    assert (
+        len(part.details["refused"]) == 2
+        and "exceeds the float64 bound" in part.details["refused"][0]
+    )  # noqa: E501
