@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend, KVStore
 from hal.types import AttentionMetadata, KVLayout
 
@@ -120,9 +121,50 @@ class EagerBackend(AttentionBackend):
     name = "eager"
     hf_exact = True
     supports_deterministic = True
+    step_graphs = True
 
     def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        if isinstance(meta, StaticDecodeMetadata):  # a captured decode step (hal.graphs)
+            return static_decode_attention(query, plane, kv, meta, scaling, deterministic)
         return paged_eager_attention(query, plane, kv, meta, scaling, deterministic)
+
+
+def static_decode_attention(
+    query: torch.Tensor,
+    plane: int,
+    kv: KVStore,
+    meta: StaticDecodeMetadata,
+    scaling: float,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Decode attention in static shapes, for step graphs: every row at once over its padded
+    context bucket, masked past its ``seq_len``. ``query [1, H, B, d]`` -> ``[B, H * d]``.
+
+    The same arithmetic per row as :func:`eager_attention` (HF order, bf16 matmuls) or, in
+    deterministic mode, :func:`row_invariant_attention` (fp32): a masked position adds an
+    exact zero to every sum. ``tests/test_step_graphs.py`` checks the bits against the eager
+    forms; a new platform must pass that check before its graphs are trusted.
+    """
+    _, heads, rows, d = query.shape
+    k, v = kv.gather(plane, meta.gather_slots)  # [1, Hkv, B * C, d]
+    kv_heads, context = k.shape[1], meta.context
+    k = k.view(kv_heads, rows, context, d).transpose(0, 1)  # [B, Hkv, C, d]
+    v = v.view(kv_heads, rows, context, d).transpose(0, 1)
+    q = query[0].transpose(0, 1)  # [B, H, d]
+    if deterministic:
+        qf = q.contiguous().float() * scaling
+        qf = qf.view(rows, kv_heads, heads // kv_heads, d)  # [B, Hkv, n_rep, d]
+        s = torch.matmul(qf, k.float().transpose(2, 3))  # [B, Hkv, n_rep, C]
+        s = s.masked_fill(meta.masked, float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), v.float())  # [B, Hkv, n_rep, d]
+        return o.reshape(rows, heads * d)
+    n_rep = heads // kv_heads
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [B, H, C, d]
+    s = torch.matmul(q[:, :, None], k.transpose(2, 3)) * scaling  # [B, H, 1, C]
+    s = s.masked_fill(meta.masked, torch.finfo(s.dtype).min)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    o = torch.matmul(p, v)  # [B, H, 1, d]
+    return o.transpose(1, 2).reshape(rows, heads * d)
 
 
 class TensorKVStore(KVStore):
