@@ -292,7 +292,9 @@ def _run_npu_op(name: str, fn: Callable, spec, args, kwargs):
         out = fn(*args, **kwargs)
     finally:
         tape.paused -= 1
-    tape.record(f"torch_npu.{name}", args, kwargs, out, frozenset(k for _, k in spec))
+    # Host arguments update() refreshes are not part of what the graph froze.
+    frozen = [a if i not in {i for i, _ in spec} else "<updatable>" for i, a in enumerate(args)]
+    tape.record(f"torch_npu.{name}", frozen, kwargs, out, frozenset(k for _, k in spec))
     return out
 
 

@@ -15,7 +15,8 @@ with one copy: a few host calls instead of thousands of op launches
 
 Padding rows compute garbage of their own, never anyone else's: each writes its K/V to a
 scratch slot in pages the runner takes from the pool for good, and reads only scratch pages.
-Real rows' table entries past their context point at a scratch page too; they are masked.
+A real row's table entries past its context repeat its first page; they are masked (a masked
+position adds an exact zero, which needs finite K/V there, hence its own page).
 
 Padding changes the row count of every projection. In deterministic mode the plan's kernels
 are row-invariant (checked at start-up), so the batch sizes are powers of two; in HF-exact
@@ -167,7 +168,10 @@ class StepGraphRunner:
                 f"rows, but the pool has {allocator.num_free} free"
             )
         self.scratch = scratch
-        model.rope(torch.zeros(1, dtype=torch.int64, device=device.torch_device), max_model_len)
+        # The cos/sin table for every position a request can reach, before any capture: a
+        # graph keeps the table it saw, so it must never be reallocated afterwards.
+        reach = min(max_model_len, allocator.num_blocks * bs)
+        model.rope(torch.zeros(1, dtype=torch.int64, device=device.torch_device), reach)
         self._graphs: dict[tuple[int, int], tuple[StepGraph, _Buffers, tuple]] = {}
         self.stats = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
 
@@ -235,7 +239,7 @@ class StepGraphRunner:
                 ("threshold", bf16_bits(mode.threshold) if mode.kind == "threshold" else 0),
             ):
                 cols[name].append(value)
-            tables += used + [self.scratch[0]] * (blocks - len(used))
+            tables += used + used[:1] * (blocks - len(used))  # masked: its own finite K/V
         check_slot_mapping(cols["slots"], self.model.kv.layout.num_slots)
         for j in range(rows - len(plan)):  # padding rows: scratch pages only
             page, offset = self.scratch[j // bs], j % bs
