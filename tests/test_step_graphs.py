@@ -105,12 +105,12 @@ def test_replayed_decode_steps_give_the_tokens_and_logits_of_eager_steps(tiny_ck
 @pytest.mark.parametrize("mode", list(MODES))
 def test_replay_equals_eager_across_preemption(tiny_ckpt, mode):
     requests = [
-        (f"p{i}", prompt_of(20, seed=i), SamplingParams(max_tokens=24, ignore_eos=True), True)
-        for i in range(4)
-    ]
-    eager_llm = _llm(tiny_ckpt, mode, False, num_blocks=7)
+        (f"p{i}", prompt_of(20, seed=i), SamplingParams(max_tokens=30, ignore_eos=True), True)
+        for i in range(3)
+    ]  # two run at once in 6 blocks, and each grows to 4: the newest is preempted
+    eager_llm = _llm(tiny_ckpt, mode, False, num_blocks=6)
     eager = _run(eager_llm, requests)
-    llm = _llm(tiny_ckpt, mode, True, num_blocks=7)
+    llm = _llm(tiny_ckpt, mode, True, num_blocks=6)
     graphs = _run(llm, requests)
     assert llm.engine.stats["preemptions"] == eager_llm.engine.stats["preemptions"] > 0
     _assert_same(eager, graphs)
@@ -148,9 +148,10 @@ def test_padding_rows_write_only_the_scratch_page(tiny_ckpt):
     requests = _requests(3)
     caches = []
     for graphs in (False, True):
-        llm = _llm(tiny_ckpt, "deterministic", graphs)
+        llm = _llm(tiny_ckpt, "deterministic", graphs, num_blocks=24 if graphs else 25)
         if not graphs:
-            assert llm.allocator.allocate(1) == [0]  # the same page ids as the graphs' engine
+            llm.engine.reserved_blocks = llm.allocator.allocate(1)  # the graphs' page ids
+            assert llm.engine.reserved_blocks == [0]
         else:
             assert llm.engine.graphs.scratch == [0] and 4 in llm.engine.graphs.sizes
         _run(llm, requests)

@@ -99,6 +99,7 @@ class _Tape(TorchDispatchMode):
         self.capture = capture
         self.ops: list[tuple] = []
         self.made: dict[int, int] = {}  # storage address -> k: the k-th buffer the run made
+        self.buffers = 0
         self.paused = 0
         self.graph: EmulatedNPUGraph | None = None  # whose capture or replay this is
 
@@ -116,7 +117,8 @@ class _Tape(TorchDispatchMode):
         self.ops.append((name, tuple(self.describe(v) for v in flat)))
         for out in tree_flatten(outputs)[0]:
             if isinstance(out, torch.Tensor) and _storage(out) not in before and out.numel():
-                self.made[_storage(out)] = len(self.made)
+                self.made[_storage(out)] = self.buffers  # an address may be reused: a new k
+                self.buffers += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.paused:
@@ -132,9 +134,16 @@ class _Tape(TorchDispatchMode):
                 "would replay the captured values; copy per-step data into a static buffer"
             )
         out = func(*args, **(kwargs or {}))
-        if not (func.is_view or func in _NOT_KERNELS):
+        if not (func in _NOT_KERNELS or (func.is_view and _aliases(out, args))):
             self.record(str(func), args, kwargs, out)
         return out
+
+
+def _aliases(out, args) -> bool:
+    """Whether an op that may alias (``aten.to`` under inference mode) returned views only."""
+    ins = {_storage(t) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)}
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return all(_storage(t) in ins for t in outs)
 
 
 class _NoHostReads(TorchFunctionMode):

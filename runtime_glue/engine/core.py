@@ -26,6 +26,7 @@ from hal.graphs import StepGraphs
 from hal.interfaces import Device
 from hal.types import AttentionMetadata
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
+from runtime_glue.engine.graphs import StepGraphRunner
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampling import SamplingParams, sample
@@ -87,14 +88,12 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
-        self.graphs = None
+        self.graphs: StepGraphRunner | None = None
         if step_graphs is not None:
-            from runtime_glue.engine.graphs import StepGraphRunner
-
             self.graphs = StepGraphRunner(
                 step_graphs, model, device, allocator, self.config.max_num_seqs, self.max_model_len
             )
-        self.reserved_blocks = self.graphs.scratch if self.graphs is not None else []
+        self.reserved_blocks: list[int] = self.graphs.scratch if self.graphs is not None else []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -348,7 +347,8 @@ class Engine:
                 sampled.append(req)
             start += n
         bs = self.allocator.block_size
-        meta = AttentionMetadata.build(bs, requests, self.pool_tokens)  # checked on the host
+        slots = self.allocator.num_blocks * bs
+        meta = AttentionMetadata.build(bs, requests, slots)  # checked on the host
         host = [torch.tensor(v, dtype=torch.int64) for v in (ids, positions, rows)]
         meta, (ids_t, pos_t, rows_t) = meta.to(
             self.device.torch_device, *host, pin=self.device.pin_memory
