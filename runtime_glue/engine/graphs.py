@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,9 +111,11 @@ def static_forward(model: OuroModel, buf: _Buffers):
     meta = StaticDecodeMetadata.of(
         model.kv.layout.block_size, v["slots"], buf.tables, v["seq_lens"]
     )
+    # The model reads the metadata only through its attention backend (EagerBackend.forward).
+    static: Any = meta
     step = StepInputs(
-        v["ids"], v["positions"], meta, buf.sample_rows, 0, 0, 0, (), tuple(range(rows))
-    )  # type: ignore[arg-type]
+        v["ids"], v["positions"], static, buf.sample_rows, 0, 0, 0, (), (*range(rows),)
+    )
     ops = RowOps(model.kernels, 0 if model.plan.split else None)
     h = F.embedding(v["ids"], model.embed)  # [B, H]
     cos, sin = model.rope(v["positions"], 0)  # the table was built for every position
@@ -236,7 +239,7 @@ class StepGraphRunner:
                 ("seq_lens", ctx + 1),
                 ("exit_step", mode.step if mode.step is not None else last),
                 ("use_threshold", int(mode.kind == "threshold")),
-                ("threshold", bf16_bits(mode.threshold) if mode.kind == "threshold" else 0),
+                ("threshold", bf16_bits(mode.threshold) if mode.threshold is not None else 0),
             ):
                 cols[name].append(value)
             tables += used + used[:1] * (blocks - len(used))  # masked: its own finite K/V
