@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend, KVStore
 from hal.types import AttentionMetadata, KVLayout
 
@@ -85,28 +86,58 @@ def paged_attention(
     return out
 
 
+CHUNK = 16  # positions: every length a deterministic reduction runs over is a multiple of it
+
+
 def row_invariant_attention(q, k, v, scaling: float, context_len: int, out: torch.Tensor) -> None:
     """Deterministic mode: each query row as a decode step computes it, into ``out [S, H*d]``.
 
-    The row at position ``p`` is computed alone against exactly positions ``0..p``, in fp32,
-    with operands whose shapes and memory layouts depend on ``p`` only (never on the chunk or
-    batch the row arrived in): ``q_p [kv_heads, n_rep, d]`` contiguous, K/V rows of ``d``
-    contiguous elements. The fp32 upcast happens once per request, so the per-row work is
-    two small matmuls and a softmax; GQA groups query heads instead of materialising
-    ``repeat_kv``. The bits therefore do not depend on chunking or batching, but they are
-    not HF's (which runs bf16 matmuls); see docs/determinism.md.
+    The row at position ``p`` is computed alone against positions ``0..p``, in fp32, by
+    :func:`padded_attention` over its context padded to a multiple of ``CHUNK``: arithmetic
+    whose bits depend on neither the chunk or batch the row arrived in nor how far its context
+    is padded (a step graph pads every row to its bucket). GQA groups query heads instead of
+    materialising ``repeat_kv``. The bits are not HF's (which runs bf16 matmuls); see
+    docs/determinism.md.
     """
     _, heads, q_len, d = q.shape
-    kv_heads = k.shape[1]
+    kv_heads, kv_len = k.shape[1], k.shape[2]
     # [q_len, kv_heads, n_rep, d], contiguous: row i's block has the same layout for any q_len.
     qf = q[0].transpose(0, 1).contiguous().float() * scaling
     qf = qf.view(q_len, kv_heads, heads // kv_heads, d)
-    kt = k[0].float().transpose(1, 2)  # [kv_heads, d, kv_len], a view
-    vf = v[0].float()  # [kv_heads, kv_len, d]
+    padded = -(-kv_len // CHUNK) * CHUNK  # the fp32 upcast, padded with zeros, once
+    kf = k.new_zeros(1, kv_heads, padded, d, dtype=torch.float32)
+    vf = torch.zeros_like(kf)
+    kf[:, :, :kv_len], vf[:, :, :kv_len] = k, v
     for i in range(q_len):
         n = context_len + i + 1
-        p = torch.softmax(torch.matmul(qf[i], kt[:, :, :n]), dim=-1)
-        out[i] = torch.matmul(p, vf[:, :n]).view(heads * d)
+        length = -(-n // CHUNK) * CHUNK
+        masked = torch.arange(length, device=q.device) >= n
+        o = padded_attention(qf[i : i + 1], kf[:, :, :length], vf[:, :, :length], masked)
+        out[i] = o.reshape(heads * d)
+
+
+def padded_attention(qf, kf, vf, masked: torch.Tensor) -> torch.Tensor:
+    """fp32 attention of rows over padded contexts, in ops whose bits per row depend on
+    neither the number of rows nor the padding: ``qf [R, Hkv, n_rep, d]`` (scaled), ``kf, vf
+    [R, Hkv, L, d]`` with ``L`` a multiple of ``CHUNK``, ``masked`` (broadcast to
+    ``[R, Hkv, n_rep, L]``) true past each row's context. Returns ``[R, Hkv, n_rep, d]``.
+
+    torch's fp32 GEMM and softmax on the CPU change their low bits with the length they run
+    over, so: scores as products summed over ``d`` (a reduction of fixed length); the softmax's
+    max (exact in any order) and exp elementwise; every sum over positions as sums of
+    ``CHUNK`` positions (fixed shapes) accumulated chunk after chunk by ``cumsum`` (in order,
+    so a padded chunk adds an exact zero at the end). Every length is a multiple of ``CHUNK``,
+    so no element falls in a vector loop's scalar tail.
+    """
+    rows, kv_heads, length, d = kf.shape
+    chunks = length // CHUNK
+    s = (qf[:, :, :, None, :] * kf[:, :, None]).sum(-1)  # [R, Hkv, n_rep, L]
+    s = s.masked_fill(masked, float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    total = torch.cumsum(e.view(*e.shape[:-1], chunks, CHUNK).sum(-1), -1)[..., -1:]
+    p = (e / total).view(rows, kv_heads, -1, chunks, CHUNK).transpose(2, 3).contiguous()
+    pv = torch.matmul(p, vf.view(rows, kv_heads, chunks, CHUNK, d))  # [R, Hkv, chunks, n_rep, d]
+    return torch.cumsum(pv, 2)[:, :, -1]
 
 
 def paged_eager_attention(query, plane, kv, meta, scaling, deterministic=False) -> torch.Tensor:
@@ -120,9 +151,48 @@ class EagerBackend(AttentionBackend):
     name = "eager"
     hf_exact = True
     supports_deterministic = True
+    step_graphs = True
 
     def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        if isinstance(meta, StaticDecodeMetadata):  # a captured decode step (hal.graphs)
+            return static_decode_attention(query, plane, kv, meta, scaling, deterministic)
         return paged_eager_attention(query, plane, kv, meta, scaling, deterministic)
+
+
+def static_decode_attention(
+    query: torch.Tensor,
+    plane: int,
+    kv: KVStore,
+    meta: StaticDecodeMetadata,
+    scaling: float,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Decode attention in static shapes, for step graphs: every row at once over its padded
+    context bucket, masked past its ``seq_len``. ``query [1, H, B, d]`` -> ``[B, H * d]``.
+
+    The same arithmetic per row as :func:`eager_attention` (HF order, bf16 matmuls: a masked
+    position adds an exact zero to every sum) or, in deterministic mode,
+    :func:`row_invariant_attention` (fp32, :func:`padded_attention`). ``tests/test_step_graphs.py`` checks the bits against the eager
+    forms; a new platform must pass that check before its graphs are trusted.
+    """
+    _, heads, rows, d = query.shape
+    k, v = kv.gather(plane, meta.gather_slots)  # [1, Hkv, B * C, d]
+    kv_heads, context = k.shape[1], meta.context
+    k = k.view(kv_heads, rows, context, d).transpose(0, 1)  # [B, Hkv, C, d]
+    v = v.view(kv_heads, rows, context, d).transpose(0, 1)
+    q = query[0].transpose(0, 1)  # [B, H, d]
+    if deterministic:
+        qf = q.contiguous().float() * scaling
+        qf = qf.view(rows, kv_heads, heads // kv_heads, d)  # [B, Hkv, n_rep, d]
+        o = padded_attention(qf, k.float().contiguous(), v.float().contiguous(), meta.masked)
+        return o.reshape(rows, heads * d).to(query.dtype)
+    n_rep = heads // kv_heads
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # [B, H, C, d]
+    s = torch.matmul(q[:, :, None], k.transpose(2, 3)) * scaling  # [B, H, 1, C]
+    s = s.masked_fill(meta.masked, torch.finfo(s.dtype).min)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    o = torch.matmul(p, v)  # [B, H, 1, d]
+    return o.transpose(1, 2).reshape(rows, heads * d)
 
 
 class TensorKVStore(KVStore):

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Mapping
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from hal.kernels import TORCH_KERNELS, Kernel
 from hal.types import AttentionMetadata, KVLayout
+
+if TYPE_CHECKING:
+    from hal.graphs import StepGraphs
 
 
 class Fence(abc.ABC):
@@ -131,6 +134,9 @@ class AttentionBackend(abc.ABC):
     # True when deterministic mode was measured to cost next to nothing on this backend, so
     # the runtime turns it on unless told otherwise (see docs/determinism.md).
     deterministic_by_default: ClassVar[bool] = False
+    # True when ``forward`` also takes a ``hal.graphs.StaticDecodeMetadata`` (static shapes,
+    # no host reads): the decode step can then be captured as a step graph.
+    step_graphs: ClassVar[bool] = False
 
     @abc.abstractmethod
     def forward(
@@ -200,6 +206,10 @@ class Driver:
 
     def create_kv_store(self, layout: KVLayout) -> KVStore:
         raise NotImplementedError(f"driver {self.name!r} does not provide a KV store")
+
+    def step_graphs(self) -> StepGraphs | None:
+        """The driver's step graphs (``hal.graphs``), or None where it has none (cpu)."""
+        return None
 
     def kernels_for(self, op: str) -> tuple[Kernel, ...]:
         """Every kernel offered for ``op``, torch's first."""

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from drivers.cuda.graphs import CudaStepGraphs
 from hal.eager import EagerBackend, TensorKVStore, causal_mask, paged_attention, repeat_kv
 from hal.interfaces import AttentionBackend, Device, Driver, EventFence, Fence
 from hal.types import KVLayout
@@ -73,6 +74,10 @@ class CudaDriver(Driver):
     def create_kv_store(self, layout: KVLayout) -> TensorKVStore:
         self.device.initialize()
         return TensorKVStore(layout, self.device.torch_device)
+
+    def step_graphs(self) -> CudaStepGraphs:
+        self.device.initialize()
+        return CudaStepGraphs(self.device.index)
 
 
 def create(index: int | None = None) -> CudaDriver:

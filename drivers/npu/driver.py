@@ -16,6 +16,7 @@ import torch
 
 from drivers.npu import environment, fused
 from drivers.npu.emulation import emulation_requested
+from drivers.npu.graphs import NpuStepGraphs
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import Device, Driver, EventFence, Fence
 from hal.types import KVLayout
@@ -79,6 +80,9 @@ def import_torch_npu() -> types.SimpleNamespace:
         to_host=lambda tensor: tensor.to("cpu"),
         npu_scatter_nd_update_=torch_npu.npu_scatter_nd_update_,
         **{name: getattr(torch_npu, name, None) for name in fused.FUSED_OPS},
+        NPUGraph=npu.NPUGraph,  # step graphs (drivers.npu.graphs)
+        graph=npu.graph,
+        graph_pool_handle=npu.graph_pool_handle,
     )
 
 
@@ -202,6 +206,10 @@ class NpuDriver(Driver):
     def create_kv_store(self, layout: KVLayout) -> ScatterNDKVStore:
         self.device.initialize()
         return ScatterNDKVStore(layout, self.device)
+
+    def step_graphs(self) -> NpuStepGraphs:
+        self.device.initialize()
+        return NpuStepGraphs(self.device)
 
 
 def create(

@@ -86,6 +86,9 @@ class EmulatedTorchNpu:
         self.events: list[EmulatedEvent] = []
         self.scatter_calls = 0
         self.host_copies = 0  # device-to-host copies: each one a wait for the device
+        from drivers.npu.graphs import install
+
+        install(self)  # the emulated ACL graph API, and graph-aware ops (drivers.npu.graphs)
 
     # torch.npu.* ------------------------------------------------------------------------
     def device_count(self) -> int:

@@ -61,6 +61,13 @@ def add_parsers(sub) -> None:
     )
     _load_args(ad, output_len=32)
     ad.set_defaults(func=cmd_adaptive)
+    gr = kinds.add_parser("graphs", help="decode steps eager vs step graphs: host calls, TPOT")
+    _model_args(gr)
+    gr.add_argument("--batches", type=_ints, default=[1, 4])
+    gr.add_argument("--input-len", type=int, default=32)
+    gr.add_argument("--output-len", type=int, default=16)
+    gr.add_argument("--runs", type=int, default=3)
+    gr.set_defaults(func=cmd_graphs)
     dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
     EngineArgs.add_cli_args(dt, fields=("model", "preset"))
     dt.add_argument("--lengths", type=_ints, default=[100, 500, 1000, 2000])
@@ -186,6 +193,17 @@ def cmd_ops(args) -> int:
     llm = _llm(args, 4 * args.block_size)
     report = ops_report(llm, args.steps)
     return _emit_model(args, report, markdown_ops(report))
+
+
+def cmd_graphs(args) -> int:
+    from runtime_glue.bench.graph_bench import compare, markdown_graphs
+
+    tokens = max(args.batches) * (args.input_len + 2 * args.output_len + args.block_size)
+    args.max_num_seqs = max(args.max_num_seqs, *args.batches)
+    eager = _llm(args, tokens, step_graphs=False)
+    graphs = _llm(args, tokens, step_graphs=True)
+    report = compare(eager, graphs, args.batches, args.input_len, args.output_len, args.runs)
+    return _emit_model(args, report, markdown_graphs(report))
 
 
 def cmd_detokenize(args) -> int:

@@ -157,6 +157,14 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
     )
 
+    # -- step graphs (runtime_glue.engine.graphs) --
+    step_graphs: bool = cli_field(
+        False,
+        "capture decode-only steps as device graphs (cuda, npu) and replay them: one host "
+        "call per step instead of one per op; prefill and mixed steps run eagerly",
+        action="store_true",
+    )
+
     EXCLUSIVE = (("model", "preset"), ("num_blocks", "kv_cache_memory"))
 
     @classmethod

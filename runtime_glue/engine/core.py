@@ -22,9 +22,11 @@ from collections import deque
 import attrs
 import torch
 
+from hal.graphs import StepGraphs
 from hal.interfaces import Device
 from hal.types import AttentionMetadata
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
+from runtime_glue.engine.graphs import StepGraphRunner
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampling import SamplingParams, sample
@@ -72,10 +74,12 @@ class Engine:
         tokenizer=None,
         max_model_len: int | None = None,
         prefix_salt: bytes = b"",
+        step_graphs: StepGraphs | None = None,
     ) -> None:
         """``prefix_salt``: what besides the tokens decides a block's K/V (the checkpoint, the
         execution plan); prefix-cache hashes start from it, so engines sharing one allocator
-        under other plans never share a block."""
+        under other plans never share a block. ``step_graphs``: capture decode-only steps
+        and replay them (``runtime_glue.engine.graphs``)."""
         self.model = model
         self.prefix_salt = prefix_salt
         self.device = device
@@ -84,6 +88,12 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
+        self.graphs: StepGraphRunner | None = None
+        if step_graphs is not None:
+            self.graphs = StepGraphRunner(
+                step_graphs, model, device, allocator, self.config.max_num_seqs, self.max_model_len
+            )
+        self.reserved_blocks: list[int] = self.graphs.scratch if self.graphs is not None else []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -102,7 +112,8 @@ class Engine:
 
     @property
     def pool_tokens(self) -> int:
-        return self.allocator.num_blocks * self.allocator.block_size
+        usable = self.allocator.num_blocks - len(self.reserved_blocks)  # less graphs' scratch
+        return usable * self.allocator.block_size
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that could never run here ("never", not
@@ -136,7 +147,8 @@ class Engine:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} "
                 f"tokens of KV cache, but the whole pool holds {self.pool_tokens} tokens "
-                f"({self.allocator.num_blocks} blocks of {self.allocator.block_size})",
+                f"({self.pool_tokens // self.allocator.block_size} blocks of "
+                f"{self.allocator.block_size})",
                 "max_tokens",
             )
         if self.config.prefill_chunk_size is None and n > self.config.max_num_batched_tokens:
@@ -191,7 +203,7 @@ class Engine:
 
     def audit_pages(self) -> None:
         """Check the allocator against the running requests' block tables (tests, debugging)."""
-        self.allocator.audit([req.blocks for req in self.running])
+        self.allocator.audit([req.blocks for req in self.running] + [self.reserved_blocks])
 
     @property
     def num_free_blocks(self) -> int:
@@ -335,7 +347,8 @@ class Engine:
                 sampled.append(req)
             start += n
         bs = self.allocator.block_size
-        meta = AttentionMetadata.build(bs, requests, self.pool_tokens)  # checked on the host
+        slots = self.allocator.num_blocks * bs
+        meta = AttentionMetadata.build(bs, requests, slots)  # checked on the host
         host = [torch.tensor(v, dtype=torch.int64) for v in (ids, positions, rows)]
         meta, (ids_t, pos_t, rows_t) = meta.to(
             self.device.torch_device, *host, pin=self.device.pin_memory
@@ -362,10 +375,15 @@ class Engine:
                 self.allocator.reclaim(wait=True)
             return []
         try:
-            inputs, sampled = self._build_step(plan)
-            logits, exits = self.model.forward(inputs)  # [R, vocab], [R] on the device
+            graphed = self.graphs.run(plan) if self.graphs is not None else None
+            if graphed is None:
+                inputs, sampled = self._build_step(plan)
+                logits, exits = self.model.forward(inputs)  # [R, vocab], [R] on the device
+                picks = packed = None
+            else:  # a replayed graph, whose outputs hold the picks and packed logits too
+                sampled, logits, exits, picks, packed = graphed
             fence = self.device.record_fence()
-            tokens, exit_steps, host_logits = self._sample(logits, exits, sampled)
+            tokens, exit_steps, host_logits = self._sample(logits, exits, sampled, picks, packed)
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("step %d failed", self.num_steps)
             self.device.synchronize()  # nothing of the step may still be using its pages
@@ -393,15 +411,25 @@ class Engine:
         return outputs
 
     def _sample(
-        self, logits: torch.Tensor, exits: torch.Tensor, sampled: list[Request]
+        self,
+        logits: torch.Tensor,
+        exits: torch.Tensor,
+        sampled: list[Request],
+        picks: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
     ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """The step's tokens and exit loops, with the step's one device-to-host transfer: the
         greedy picks (argmax on the device) when that is all the step needs, else the logits
-        (float32), sampled on the host with each request's own generator."""
+        (float32), sampled on the host with each request's own generator. ``picks`` and
+        ``packed``: both already computed on the device (by a step graph)."""
         if not any(r.return_logits or not r.params.greedy for r in sampled):
-            both = self.device.to_host(torch.stack((logits.argmax(-1), exits))).tolist()
+            if picks is None:
+                picks = torch.stack((logits.argmax(-1), exits))
+            both = self.device.to_host(picks).tolist()
             return both[0], both[1], None
-        packed = self.device.to_host(torch.cat((logits.float(), exits[:, None].float()), 1))
+        if packed is None:
+            packed = torch.cat((logits.float(), exits[:, None].float()), 1)
+        packed = self.device.to_host(packed)
         host, steps = packed[:, :-1], [int(s) for s in packed[:, -1].tolist()]
         tokens = [sample(host[i], r.params, r.generator) for i, r in enumerate(sampled)]
         return tokens, steps, host

@@ -152,6 +152,11 @@ class LLM:
         caching = self.enable_prefix_caching
         caching = plan.deterministic if caching is None else caching
         logger.info("prefix caching %s", "on" if caching else "off")
+        graphs = None
+        if self.args.step_graphs:
+            from runtime_glue.engine.graphs import require_step_graphs
+
+            graphs = require_step_graphs(self.driver, plan)
         self.engine = Engine(
             self.model,
             self.driver.device,
@@ -160,6 +165,7 @@ class LLM:
             eos_token_ids=self.config.eos_token_ids,
             tokenizer=self.tokenizer,
             prefix_salt=f"{self.model_dir.resolve()}|{plan.describe()}".encode(),
+            step_graphs=graphs,
         )
 
     def variant(

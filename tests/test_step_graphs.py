@@ -1,0 +1,301 @@
+"""Step graphs (``--step-graphs``) on the EMULATED npu: replay equals eager, bit for bit.
+
+Every case runs the same requests through two engines on the emulated torch_npu (a test
+double for the hardware, ``drivers.npu.graphs``): one eager, one that captures decode-only
+steps and replays them, and compares every token and every logit exactly. The graphs' engine
+has one more KV block: its scratch page for padding rows, so both schedule alike.
+
+Then the double itself: it must catch what a real graph would silently get wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drivers.npu.emulation import EmulatedTorchNpu
+from drivers.npu.graphs import GraphCaptureError, GraphReplayError, _npu_op
+from runtime_glue.engine import graphs as engine_graphs
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from tests.helpers import prompt_of
+
+# name -> LLM options selecting the plan mode; add "fast" here when it exists.
+MODES = {"deterministic": dict(deterministic=True), "hf-exact": dict(deterministic=False)}
+BS = 16
+
+
+def _llm(ckpt, mode: str, graphs: bool, num_blocks: int = 24, **options) -> LLM:
+    return LLM(
+        ckpt,
+        device="npu",
+        block_size=BS,
+        num_blocks=num_blocks + (1 if graphs else 0),
+        max_num_seqs=4,
+        step_graphs=graphs,
+        **MODES[mode],
+        **options,
+    )
+
+
+def _run(llm: LLM, requests, abort: dict[int, str] | None = None):
+    """Step ``llm``'s engine over ``requests`` ((id, prompt, params, return_logits) each),
+    aborting ``abort[step]`` before that step; every live request's tokens and logits."""
+    engine = llm.engine
+    for rid, prompt, params, logits in requests:
+        engine.add_request(rid, prompt, params, logits)
+    reqs = {rid: engine.requests[rid] for rid, *_ in requests}
+    step = 0
+    while engine.has_unfinished():
+        if abort and step in abort:
+            engine.abort_request(abort[step])
+        engine.step()
+        engine.audit_pages()
+        step += 1
+    for req in reqs.values():
+        assert req.finish_reason != "error", req.error
+    return {
+        rid: (list(r.output_ids), torch.stack(r.logits) if r.logits else None, r.exit_steps)
+        for rid, r in reqs.items()
+        if r.finish_reason != "abort"
+    }
+
+
+def _assert_same(eager: dict, graphs: dict) -> None:
+    assert eager.keys() == graphs.keys()
+    for rid, (tokens, logits, exits) in eager.items():
+        got_tokens, got_logits, got_exits = graphs[rid]
+        assert got_tokens == tokens, f"{rid}: tokens differ"
+        assert got_exits == exits, f"{rid}: exit loops differ"
+        if logits is not None:
+            assert torch.equal(got_logits, logits), (
+                f"{rid}: logits differ by {(got_logits - logits).abs().max().item()}"
+            )
+
+
+def _requests(n: int, max_tokens: int = 6, seed: int = 0):
+    """``n`` requests of different lengths, exits and sampling: greedy with logits, a fixed
+    exit loop, a low threshold, a seeded sample (the packed-logits read-back)."""
+    kinds = [
+        (SamplingParams(max_tokens=max_tokens, ignore_eos=True), True),
+        (SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_at_step=1), True),
+        (SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_threshold=0.3), False),
+        (SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, seed=7), False),
+        (SamplingParams(max_tokens=max_tokens, ignore_eos=True), False),
+    ]
+    return [
+        (f"r{i}", prompt_of(5 + 7 * i, seed=seed + i), *kinds[i % len(kinds)]) for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_replayed_decode_steps_give_the_tokens_and_logits_of_eager_steps(tiny_ckpt, mode, batch):
+    requests = _requests(batch)
+    eager = _run(_llm(tiny_ckpt, mode, False), requests)
+    llm = _llm(tiny_ckpt, mode, True)
+    graphs = _run(llm, requests)
+    _assert_same(eager, graphs)
+    stats = llm.engine.graphs.stats
+    assert stats["graph_steps"] >= 4 and stats["captures"] >= 1, stats
+    if batch == 5:  # more requests than max_num_seqs: admission in waves, eager prefill between
+        assert stats["eager_steps"] >= 2
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_replay_equals_eager_across_preemption(tiny_ckpt, mode):
+    requests = [
+        (f"p{i}", prompt_of(20, seed=i), SamplingParams(max_tokens=30, ignore_eos=True), True)
+        for i in range(3)
+    ]  # two run at once in 6 blocks, and each grows to 4: the newest is preempted
+    eager_llm = _llm(tiny_ckpt, mode, False, num_blocks=6)
+    eager = _run(eager_llm, requests)
+    llm = _llm(tiny_ckpt, mode, True, num_blocks=6)
+    graphs = _run(llm, requests)
+    assert llm.engine.stats["preemptions"] == eager_llm.engine.stats["preemptions"] > 0
+    _assert_same(eager, graphs)
+    assert llm.engine.graphs.stats["graph_steps"] > 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_replay_equals_eager_with_prefix_cache_hits(tiny_ckpt, mode):
+    shared = prompt_of(2 * BS + 3, seed=11)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    requests = [(f"s{i}", shared + prompt_of(4 + i, seed=20 + i), params, True) for i in range(3)]
+    results = []
+    for graphs in (False, True):
+        llm = _llm(tiny_ckpt, mode, graphs, enable_prefix_caching=True)
+        first = _run(llm, requests[:1])  # fills the cache, then two requests hit it
+        rest = _run(llm, requests[1:])
+        assert llm.engine.stats["prefix_cache_hits"] >= 2 * 2 * BS
+        results.append({**first, **rest})
+    _assert_same(*results)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_replay_equals_eager_when_requests_are_aborted_midway(tiny_ckpt, mode):
+    requests = _requests(4, max_tokens=8, seed=3)
+    abort = {3: "r1", 6: "r3"}  # one while decoding, one later: the batch shrinks twice
+    eager = _run(_llm(tiny_ckpt, mode, False), requests, abort)
+    graphs = _run(_llm(tiny_ckpt, mode, True), requests, abort)
+    assert set(eager) == {"r0", "r2"}
+    _assert_same(eager, graphs)
+
+
+def test_padding_rows_write_only_the_scratch_page(tiny_ckpt):
+    """Three requests padded to four rows: every KV slot but the scratch page's holds the
+    eager engine's bits, and the eager engine never touched that page."""
+    requests = _requests(3)
+    caches = []
+    for graphs in (False, True):
+        llm = _llm(tiny_ckpt, "deterministic", graphs, num_blocks=24 if graphs else 25)
+        if not graphs:
+            llm.engine.reserved_blocks = llm.allocator.allocate(1)  # the graphs' page ids
+            assert llm.engine.reserved_blocks == [0]
+        else:
+            assert llm.engine.graphs.scratch == [0] and 4 in llm.engine.graphs.sizes
+        _run(llm, requests)
+        caches.append((llm.kv_store.key_cache.clone(), llm.kv_store.value_cache.clone()))
+    (k_eager, v_eager), (k_graph, v_graph) = caches
+    assert torch.equal(k_eager[:, BS:], k_graph[:, BS:])
+    assert torch.equal(v_eager[:, BS:], v_graph[:, BS:])
+    assert not k_eager[:, :BS].any() and k_graph[:, :BS].any()
+
+
+def test_an_input_copied_into_a_new_tensor_is_caught_by_the_double(tiny_ckpt, monkeypatch):
+    """The planted bug: a step's ids copied into a fresh tensor that the step then reads. The
+    emulated graph refuses the read of a buffer its capture never saw."""
+    llm = _llm(tiny_ckpt, "hf-exact", True)
+    real_load = engine_graphs._Buffers.load
+
+    def load_into_a_new_tensor(self, values):
+        real_load(self, values)
+        self.view["ids"] = self.view["ids"].clone()  # the bug
+
+    monkeypatch.setattr(engine_graphs._Buffers, "load", load_into_a_new_tensor)
+    with pytest.raises(RuntimeError, match="a buffer the capture never read"):
+        llm.generate([prompt_of(9)], SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def test_an_input_copied_beside_the_static_buffer_gives_stale_tokens(tiny_ckpt, monkeypatch):
+    """The same bug where the step keeps reading the static buffer (as a real graph would):
+    the replay computes the previous step's inputs again, and the tokens differ from eager."""
+    requests = _requests(2, max_tokens=6)
+    eager = _run(_llm(tiny_ckpt, "deterministic", False), requests)
+
+    def load_beside(self, values):
+        self.host.numpy()[:] = values
+        self.device = self.host.clone()  # the bug: the graph's buffer keeps the old step
+
+    llm = _llm(tiny_ckpt, "deterministic", True)
+    monkeypatch.setattr(engine_graphs._Buffers, "load", load_beside)
+    graphs = _run(llm, requests)
+    with pytest.raises(AssertionError, match="tokens differ|logits differ"):
+        _assert_same(eager, graphs)
+
+
+def test_step_graphs_are_refused_where_they_cannot_run(tiny_ckpt):
+    with pytest.raises(ValueError, match="driver 'cpu' offers no step graphs"):
+        LLM(tiny_ckpt, device="cpu", block_size=BS, num_blocks=8, step_graphs=True)
+    with pytest.raises(ValueError, match="cannot be combined with --adaptive-depth"):
+        _llm(tiny_ckpt, "deterministic", True, adaptive_depth=True)
+
+
+# -- the emulated NPUGraph itself -----------------------------------------------------------
+
+
+@pytest.fixture
+def npu():
+    return EmulatedTorchNpu()
+
+
+def test_the_double_writes_each_replay_into_the_outputs_of_its_capture(npu):
+    x = torch.arange(4.0)
+    graph = npu.NPUGraph()
+    out = graph.capture(lambda: x * 2 + 1)
+    x.copy_(torch.tensor([10.0, 20.0, 30.0, 40.0]))
+    graph.replay()
+    assert out.tolist() == [21.0, 41.0, 61.0, 81.0] and graph.num_ops == 2
+
+
+def test_the_double_catches_control_flow_that_a_graph_would_freeze(npu):
+    x = torch.ones(4)
+    calls = [0]
+
+    def step():  # a branch on host state that changes between steps
+        calls[0] += 1
+        return x * 2 if calls[0] == 1 else x + 2
+
+    graph = npu.NPUGraph()
+    graph.capture(step)
+    with pytest.raises(GraphReplayError, match="op 0: captured aten.mul.Tensor, replayed aten.add"):
+        graph.replay()
+    rows = [3]
+    graph = npu.NPUGraph()
+    graph.capture(lambda: x[: rows[0]] * 2)  # a shape from host data
+    rows[0] = 2
+    with pytest.raises(GraphReplayError, match="other shapes or host arguments"):
+        graph.replay()
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.sum().item(),
+        lambda t: t.tolist(),
+        lambda t: bool(t.sum() > 0),
+        lambda t: t.cpu(),
+        lambda t: t.numpy(),
+        lambda t: t + torch.tensor([1.0, 2.0]),
+    ],
+    ids=["item", "tolist", "bool", "cpu", "numpy", "torch.tensor"],
+)
+def test_a_host_read_during_capture_raises(npu, read):
+    x = torch.ones(2)
+    with pytest.raises(GraphCaptureError, match="during graph capture"):
+        npu.NPUGraph().capture(lambda: read(x * 3))
+    with pytest.raises(GraphCaptureError, match="during graph capture"), npu.graph(npu.NPUGraph()):
+        read(x * 3)
+
+
+def test_synchronising_or_copying_to_the_host_during_capture_raises(npu):
+    x = torch.ones(2)
+    with pytest.raises(GraphCaptureError, match="synchronize during graph capture"):
+        npu.NPUGraph().capture(lambda: (x * 2, npu.synchronize()))
+    with pytest.raises(GraphCaptureError, match="device-to-host copy during graph capture"):
+        npu.NPUGraph().capture(lambda: npu.to_host(x * 2))
+
+
+def test_an_emulated_npu_op_is_one_device_op_whose_own_checks_are_no_host_reads(npu):
+    cache = torch.zeros(8, 2, dtype=torch.bfloat16)
+    slots = torch.tensor([[1], [5]])
+    rows = torch.ones(2, 2, dtype=torch.bfloat16)
+    graph = npu.NPUGraph()
+    graph.capture(lambda: npu.npu_scatter_nd_update_(cache, slots, rows * 2))
+    assert graph.num_ops == 2  # the mul and the one ScatterND, not the checks it runs
+    rows.fill_(3)
+    graph.replay()
+    assert cache[5].tolist() == [6.0, 6.0] and not cache[0].any()
+
+
+def test_update_refreshes_the_host_arguments_a_replay_would_otherwise_keep():
+    """``_npu_paged_attention``'s ``context_lens`` (argument 7) is a host list: a graph replays
+    the captured one until ``update(cpu_update_input=...)`` gives it another."""
+
+    def paged(q, *args):  # a stand-in op: the sum of its first context_lens[0] elements
+        return q[: args[6][0]].sum(0, keepdim=True)
+
+    op = _npu_op("_npu_paged_attention", paged)
+    q, lens = torch.arange(6.0), [2]
+    graph = EmulatedTorchNpu().NPUGraph()
+    with pytest.raises(RuntimeError, match="does not support update"):
+        graph.update([{"context_lens": [3]}])
+    out = graph.capture(lambda: op(q, 0, 0, 0, 0, 0, 0, list(lens)), auto_dispatch_capture=True)
+    lens[0] = 4
+    graph.replay()
+    assert out.tolist() == [1.0]  # the captured context_lens, not the callable's new one
+    graph.update([{"context_lens": [4]}])
+    graph.replay()
+    assert out.tolist() == [6.0]
+    with pytest.raises(RuntimeError, match="there are 1 operators"):
+        graph.update([{"context_lens": [1]}, {"context_lens": [2]}])
