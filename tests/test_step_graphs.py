@@ -20,8 +20,13 @@ from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 from tests.helpers import prompt_of
 
-# name -> LLM options selecting the plan mode; add "fast" here when it exists.
-MODES = {"deterministic": dict(deterministic=True), "hf-exact": dict(deterministic=False)}
+# name -> LLM options selecting the plan mode. Fast mode runs under graphs with the fused
+# norms, SwiGLU and rotary and the graph-safe eager attention (ascend_fia has no static form).
+MODES = {
+    "deterministic": dict(deterministic=True),
+    "hf-exact": dict(deterministic=False),
+    "fast": dict(mode="fast", attention_backend="ascend_eager"),
+}
 BS = 16
 
 

@@ -27,12 +27,13 @@ from runtime_glue.engine.sampling import SamplingParams
 PROMPT_LEN = 16
 
 
-def graph_host_calls(llm: LLM) -> float | None:
-    """Host calls per decode step under graph replay, where the engine replays step graphs.
+def graph_host_calls(llm: LLM) -> int | None:
+    """Host calls per decode step under graph replay (``--step-graphs``); None without graphs."""
+    if llm.engine.graphs is None:
+        return None
+    from runtime_glue.bench.graph_bench import host_calls_per_decode_step
 
-    The slot for the step-graph work: an engine without step graphs has none to count."""
-    counter = getattr(llm.engine, "count_graph_host_calls", None)
-    return None if counter is None else counter()
+    return host_calls_per_decode_step(llm, steps=2)["host_calls_per_step"]
 
 
 def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict:
@@ -54,6 +55,7 @@ def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict
 
     model.forward = counted  # type: ignore[method-assign]
     step_counts = []
+    graphs, engine.graphs = engine.graphs, None  # count what a step (and so its graph) issues
     try:
         for _ in range(steps):
             with DeviceOpCounter() as c:
@@ -61,6 +63,7 @@ def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict
             step_counts.append(c)
     finally:
         del model.forward  # the class's method again
+        engine.graphs = graphs
     while engine.has_unfinished():
         engine.step()
     cfg = llm.config
