@@ -20,13 +20,8 @@ from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 from tests.helpers import prompt_of
 
-# name -> LLM options selecting the plan mode. Fast mode runs under graphs with the fused
-# norms, SwiGLU and rotary and the graph-safe eager attention (ascend_fia has no static form).
-MODES = {
-    "deterministic": dict(deterministic=True),
-    "hf-exact": dict(deterministic=False),
-    "fast": dict(mode="fast", attention_backend="ascend_eager"),
-}
+# name -> LLM options selecting the plan mode (--step-graphs refuses --mode fast, see below).
+MODES = {"deterministic": dict(deterministic=True), "hf-exact": dict(deterministic=False)}
 BS = 16
 
 
@@ -304,3 +299,9 @@ def test_update_refreshes_the_host_arguments_a_replay_would_otherwise_keep():
     assert out.tolist() == [6.0]
     with pytest.raises(RuntimeError, match="there are 1 operators"):
         graph.update([{"context_lens": [1]}, {"context_lens": [2]}])
+
+
+def test_step_graphs_refuse_the_fast_plan(tiny_ckpt):
+    """Replayed fast-plan steps have not been shown equal to its eager steps: refused."""
+    with pytest.raises(ValueError, match="--mode fast"):
+        LLM(tiny_ckpt, device="npu", block_size=BS, num_blocks=25, mode="fast", step_graphs=True)
