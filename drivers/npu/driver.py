@@ -79,9 +79,10 @@ def import_torch_npu() -> types.SimpleNamespace:
         synchronize=npu.synchronize,
         to_host=lambda tensor: tensor.to("cpu"),
         npu_scatter_nd_update_=torch_npu.npu_scatter_nd_update_,
-        NPUGraph=npu.NPUGraph,  # step graphs (drivers.npu.graphs)
-        graph=npu.graph,
-        graph_pool_handle=npu.graph_pool_handle,
+        # Step graphs (drivers.npu.graphs); looked up lazily, only --step-graphs needs them.
+        NPUGraph=getattr(npu, "NPUGraph", None),
+        graph=getattr(npu, "graph", None),
+        graph_pool_handle=getattr(npu, "graph_pool_handle", None),
     )
 
 
