@@ -80,9 +80,10 @@ def import_torch_npu() -> types.SimpleNamespace:
         to_host=lambda tensor: tensor.to("cpu"),
         npu_scatter_nd_update_=torch_npu.npu_scatter_nd_update_,
         **{name: getattr(torch_npu, name, None) for name in fused.FUSED_OPS},
-        NPUGraph=npu.NPUGraph,  # step graphs (drivers.npu.graphs)
-        graph=npu.graph,
-        graph_pool_handle=npu.graph_pool_handle,
+        # Step graphs (drivers.npu.graphs); looked up lazily, only --step-graphs needs them.
+        NPUGraph=getattr(npu, "NPUGraph", None),
+        graph=getattr(npu, "graph", None),
+        graph_pool_handle=getattr(npu, "graph_pool_handle", None),
     )
 
 

@@ -372,6 +372,11 @@ class NpuStepGraphs(StepGraphs):
 
     def capture(self, fn: Callable[[], Any]) -> tuple[StepGraph, Any]:
         ops = self.device.ops
+        if ops.NPUGraph is None:
+            raise RuntimeError(
+                "--step-graphs: this torch_npu has no torch.npu.NPUGraph (ACL graphs); install "
+                "the torch-npu release paired with your torch, which has it"
+            )
         if self._pool is None:
             self._pool = ops.graph_pool_handle()  # one pool: graphs run one at a time
         graph = ops.NPUGraph()
