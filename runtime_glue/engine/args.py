@@ -148,6 +148,15 @@ class EngineArgs:
         "the bits may differ within the engine's tolerance)",
         action=argparse.BooleanOptionalAction,
     )
+    # Decode KV sharing (runtime_glue.engine.shared_blocks, hal.shared_kv).
+    kv_sharing: str = cli_field(
+        "none",
+        "decode KV: 'none' keeps every loop's K/V of every position; 'last' keeps generated "
+        "positions' K/V in one plane per layer that every loop reads and writes (the Ouro "
+        "paper's last-step reuse: a generated token costs 1/loops of the KV; changes the "
+        "arithmetic, see README)",
+        choices=["none", "last"],
+    )
 
     EXCLUSIVE = (("model", "preset"), ("num_blocks", "kv_cache_memory"))
 
