@@ -67,6 +67,10 @@ def add_parsers(sub) -> None:
     dt.add_argument("--runs", type=int, default=5)
     dt.add_argument("--json", metavar="OUT")
     dt.set_defaults(func=cmd_detokenize)
+    kvs = kinds.add_parser("kv-sharing", help="long generations at a fixed pool: full vs shared KV")
+    _load_args(kvs, output_len=2048)
+    kvs.add_argument("--kv-cache-memory", type=int, default=16 << 20, metavar="BYTES")
+    kvs.set_defaults(func=cmd_kv_sharing, input_len=256, runs=1)
     srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
     srv.add_argument("--url", required=True)
     srv.add_argument("--model", help="served model name (default: the server's first)")
@@ -183,6 +187,13 @@ def cmd_detokenize(args) -> int:
     tokenizer = load_tokenizer(EngineArgs.from_cli_args(args).model_dir())
     report = detokenize(tokenizer, args.lengths, args.runs)
     return _emit(args, report, markdown_detokenize(report))
+
+
+def cmd_kv_sharing(args) -> int:
+    from runtime_glue.bench.kv_sharing_bench import from_args, markdown_kv_sharing
+
+    report = from_args(args)
+    return _emit_model(args, report, markdown_kv_sharing(report))
 
 
 def cmd_serve(args) -> int:
