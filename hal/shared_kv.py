@@ -110,6 +110,25 @@ def _position(p: int, prompt_len: int, prompt_blocks, gen_blocks, bs: int, S: in
     return slot, shared_address(slot, 0, L, S), 0
 
 
+def _slots(blocks: Sequence[int], n: int, bs: int) -> torch.Tensor:
+    """The slots of a block table's first ``n`` positions."""
+    if n > len(blocks) * bs:
+        raise IndexError(f"{n} positions do not fit in {len(blocks)} blocks of {bs}")
+    table = torch.tensor(list(blocks), dtype=torch.int64)
+    return (table[:, None] * bs + torch.arange(bs)).flatten()[:n]
+
+
+def _request_kv(request: SharedRequest, bs: int, S: int, L: int):
+    """Base addresses and prompt flags of positions ``0 .. seq_len - 1`` of one request."""
+    query_len, ctx, prompt_blocks, prompt_len, gen_blocks = request
+    seq = ctx + query_len
+    prompt = _slots(prompt_blocks, min(seq, prompt_len), bs)
+    shared = _slots(gen_blocks, max(0, seq - prompt_len), bs)
+    base = torch.cat((prompt, (shared // S) * (L * S) + shared % S))
+    flags = torch.cat((torch.ones_like(prompt), torch.zeros_like(shared)))
+    return base, flags
+
+
 def build_shared_metadata(
     block_size: int,
     requests: Sequence[SharedRequest],
@@ -126,23 +145,24 @@ def build_shared_metadata(
     slots: list[int] = []
     row_base: list[int] = []
     row_prompt: list[int] = []
-    kv_base: list[int] = []
-    kv_prompt: list[int] = []
+    kv_base: list[torch.Tensor] = []
+    kv_prompt: list[torch.Tensor] = []
     kv_start, starts, table = [0], [0], []
     width = max((len(r[2]) for r in requests), default=0)
     bs, S, L = block_size, num_slots, layers
     prompt_slots, gen_slots = [], []
-    for query_len, ctx, prompt_blocks, prompt_len, gen_blocks in requests:
-        for p in range(ctx + query_len):
+    for request in requests:
+        query_len, ctx, prompt_blocks, prompt_len, gen_blocks = request
+        for p in range(ctx, ctx + query_len):  # the step's new rows
             slot, base, is_prompt = _position(p, prompt_len, prompt_blocks, gen_blocks, bs, S, L)
-            kv_base.append(base)
-            kv_prompt.append(is_prompt)
-            if p >= ctx:
-                slots.append(slot)
-                row_base.append(base)
-                row_prompt.append(is_prompt)
-                (prompt_slots if is_prompt else gen_slots).append(slot)
-        kv_start.append(len(kv_base))
+            slots.append(slot)
+            row_base.append(base)
+            row_prompt.append(is_prompt)
+            (prompt_slots if is_prompt else gen_slots).append(slot)
+        base_t, flags_t = _request_kv(request, bs, S, L)  # every position it reads
+        kv_base.append(base_t)
+        kv_prompt.append(flags_t)
+        kv_start.append(kv_start[-1] + ctx + query_len)
         starts.append(starts[-1] + query_len)
         table.append(list(prompt_blocks) + [0] * (width - len(prompt_blocks)))
     check_slot_mapping(prompt_slots, num_slots)
@@ -158,7 +178,10 @@ def build_shared_metadata(
         num_slots,
         tuple((q, c, tuple(pb), n, tuple(gb)) for q, c, pb, n, gb in requests),
         tuple(kv_start),
-        *(torch.tensor(v, dtype=torch.int64) for v in (row_base, row_prompt, kv_base, kv_prompt)),
+        torch.tensor(row_base, dtype=torch.int64),
+        torch.tensor(row_prompt, dtype=torch.int64),
+        torch.cat(kv_base) if kv_base else torch.zeros(0, dtype=torch.int64),
+        torch.cat(kv_prompt) if kv_prompt else torch.zeros(0, dtype=torch.int64),
     )
     return AttentionMetadata(
         block_size,
