@@ -69,7 +69,7 @@ def add_parsers(sub) -> None:
     dt.set_defaults(func=cmd_detokenize)
     kvs = kinds.add_parser("kv-sharing", help="long generations at a fixed pool: full vs shared KV")
     _load_args(kvs, output_len=2048)
-    kvs.add_argument("--kv-cache-memory", type=int, default=16 << 20, metavar="BYTES")
+    EngineArgs.add_cli_args(kvs, fields=("kv_cache_memory",))  # the pool both modes share
     kvs.set_defaults(func=cmd_kv_sharing, input_len=256, runs=1)
     srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
     srv.add_argument("--url", required=True)

@@ -18,6 +18,8 @@ from runtime_glue.bench.engine_bench import _one_run, _prompt, machine
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 
+DEFAULT_POOL = 16 << 20  # bytes; the issue's figure is a ratio, any pool shows it
+
 
 def predicted_capacity(llm: LLM, input_len: int, output_len: int) -> int:
     """The most requests the pool's accounting admits at once, each to its last token."""
@@ -111,7 +113,7 @@ def from_args(args) -> dict:
         return build_llm(
             EngineArgs.from_cli_args(
                 args,
-                kv_cache_memory=args.kv_cache_memory,
+                kv_cache_memory=args.kv_cache_memory or DEFAULT_POOL,
                 max_num_seqs=256,
                 enable_prefix_caching=False,
                 kv_sharing=mode,
