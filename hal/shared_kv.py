@@ -59,28 +59,23 @@ class SharedRegion:
     row_prompt: torch.Tensor  # [N] int64, 1 for a prompt position, 0 for a generated one
     kv_base: torch.Tensor  # [sum seq_len] int64
     kv_prompt: torch.Tensor  # [sum seq_len] int64
-    _cache: dict = attrs.field(factory=dict, init=False, repr=False)
 
-    def _addresses(self, which: str, plane: int) -> torch.Tensor:
-        key = (which, plane)
-        if key not in self._cache:
-            base, prompt = getattr(self, which + "_base"), getattr(self, which + "_prompt")
-            t, li = divmod(plane, self.layers)
-            S = self.num_slots
-            at = base + li * S
-            self._cache[key] = at if t == 0 else at + prompt * (t * self.layers * S)
-        return self._cache[key]
+    def _at(self, base: torch.Tensor, prompt: torch.Tensor, plane: int) -> torch.Tensor:
+        t, li = divmod(plane, self.layers)
+        at = base + li * self.num_slots
+        return at if t == 0 else at + prompt * (t * self.layers * self.num_slots)
 
     def write_addresses(self, plane: int) -> torch.Tensor:
         """Where each row of the step writes its plane-``plane`` K/V (``[N]`` int64)."""
-        return self._addresses("row", plane)
+        return self._at(self.row_base, self.row_prompt, plane)
 
     def kv_addresses(self, plane: int) -> torch.Tensor:
         """Every request's keys at ``plane``, back to back (``[sum seq_len]`` int64)."""
-        return self._addresses("kv", plane)
+        return self._at(self.kv_base, self.kv_prompt, plane)
 
     def request_addresses(self, plane: int, r: int) -> torch.Tensor:
-        return self.kv_addresses(plane)[self.kv_start[r] : self.kv_start[r + 1]]
+        a, b = self.kv_start[r], self.kv_start[r + 1]
+        return self._at(self.kv_base[a:b], self.kv_prompt[a:b], plane)
 
     def to(self, device: torch.device | str) -> SharedRegion:
         if torch.device(device).type == "cpu":

@@ -64,17 +64,14 @@ def test_sharing_changes_the_arithmetic_but_not_the_prompt(tiny_ckpt):
 
 def test_a_loop_reading_its_own_plane_for_generated_positions_is_caught(tiny_ckpt, monkeypatch):
     """Planted bug: generated positions addressed like prompt ones (plane (t, l), not shared)."""
-    real = shared_kv.SharedRegion._addresses
+    real = shared_kv.SharedRegion._at
 
-    def per_plane(self, which, plane):
-        out = real(self, which, plane)  # a generated position's K/V lives in its loop plane j
-        if which != "kv":
-            return out
+    def per_plane(self, base, prompt, plane):
+        out = real(self, base, prompt, plane)  # a generated position's K/V: its loop plane j
         t, span = plane // self.layers, self.layers * self.num_slots
-        j = self.kv_base // span
-        return out + (1 - self.kv_prompt) * (t - j) * span  # ... read from loop plane t
+        return out + (1 - prompt) * (t - base // span) * span  # ... read from loop plane t
 
-    monkeypatch.setattr(shared_kv.SharedRegion, "_addresses", per_plane)
+    monkeypatch.setattr(shared_kv.SharedRegion, "_at", per_plane)
     with pytest.raises(AssertionError):
         run_sharing_case(hf_exact(tiny_ckpt, num_blocks=64), tiny_ckpt, PROMPTS[:1])
 
@@ -325,3 +322,30 @@ def test_adaptive_depth_leaves_the_exit_loops_kv_in_the_shared_plane(tiny_ckpt):
         assert set(shared.exit_steps[1:]) == {0}
         assert shared.token_ids == full.token_ids
         assert torch.equal(shared.logits, full.logits)
+
+
+def test_with_one_loop_sharing_is_full_kv(checkpoints):
+    from tests.conftest import PARITY_CONFIGS
+
+    ckpt = checkpoints("mha-h96-d32-L1-T1", **PARITY_CONFIGS["mha-h96-d32-L1-T1"])
+    llm = hf_exact(ckpt)
+    for prompt in PROMPTS[:2]:
+        [out] = llm.generate(
+            [prompt], SamplingParams(max_tokens=MAX_NEW, **GREEDY), return_logits=True
+        )
+        _, full = sharing_reference(ckpt, tuple(prompt), MAX_NEW, "none")
+        assert torch.equal(out.logits, full)
+
+
+def test_the_quality_eval_sees_no_cost_with_one_loop_and_a_cost_with_four(checkpoints, tiny_ckpt):
+    from runtime_glue.checks.kv_sharing_eval import kv_sharing_quality
+    from tests.conftest import PARITY_CONFIGS
+
+    held = torch.tensor([prompt_of(33, seed=s) for s in (4, 5)])
+    one = checkpoints("mha-h96-d32-L1-T1", **PARITY_CONFIGS["mha-h96-d32-L1-T1"])
+    report = kv_sharing_quality(LLM(one, block_size=16, num_blocks=16), held, prefix=8)
+    assert report["last_kv"] == report["none_kv"]
+    assert report["greedy_token_agreement"] == report["teacher_forced_argmax_agreement"] == 1.0
+    report = kv_sharing_quality(LLM(tiny_ckpt, block_size=16, num_blocks=16), held, prefix=8)
+    assert report["last_kv"]["perplexity"] != report["none_kv"]["perplexity"]
+    assert report["scored_tokens"] == 2 * 25
