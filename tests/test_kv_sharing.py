@@ -280,11 +280,13 @@ def test_generated_blocks_fill_partial_homes_first():
     shared = SharedBlocks(pool, loops=4)
     blocks = shared.allocate(8)  # two homes, full
     assert blocks is not None and len(shared.homes) == 2
-    shared.free_after(blocks[:1] + blocks[4:6], None)  # one home has 1 idle, the other 2
+    full, emptier = shared.homes
+    idle = shared.blocks_of(full)[:1] + shared.blocks_of(emptier)[:2]
+    shared.free_after(idle, None)  # one home has 1 idle block, the other 2
     again = shared.allocate(1)
-    assert again is not None and shared.home(again[0]) == shared.home(blocks[0])
+    assert again is not None and shared.home(again[0]) == full
     with pytest.raises(RuntimeError, match="not allocated"):
-        shared.free_after(blocks[4:5], None)
+        shared.free_after(idle[1:2], None)
 
 
 # -- bad input, the banner and the interplay with adaptive depth ---------------------------
