@@ -145,7 +145,8 @@ def build_shared_metadata(
     kv_start, starts, table = [0], [0], []
     width = max((len(r[2]) for r in requests), default=0)
     bs, S, L = block_size, num_slots, layers
-    prompt_slots, gen_slots = [], []
+    prompt_slots: list[int] = []
+    gen_slots: list[int] = []
     for request in requests:
         query_len, ctx, prompt_blocks, prompt_len, gen_blocks = request
         for p in range(ctx, ctx + query_len):  # the step's new rows

@@ -350,7 +350,8 @@ class Engine:
         need, gen_need = self._needs(req, req.num_tokens)
         need -= len(cached)
         self.allocator.share(cached)  # before allocating, so none of them is evicted
-        fresh = gen = None
+        fresh: list[int] | None = None
+        gen: list[int] | None = None
         self.allocator.reclaim()
         if self.shared is None and need + len(self.running) <= self.allocator.num_free:
             fresh, gen = self.allocator.allocate(need), []
