@@ -120,6 +120,15 @@ class KVStore(abc.ABC):
     def gather(self, plane: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the rows at ``slots`` as contiguous ``[1, kv_heads, len(slots), head_dim]``."""
 
+    # Decode KV sharing (hal.shared_kv) addresses rows across planes: address = plane * S + slot.
+    def write_at(self, addresses: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``key``/``value`` rows at store-wide ``addresses`` (``[N]``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support --kv-sharing last")
+
+    def gather_at(self, addresses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the rows at store-wide ``addresses``, as :meth:`gather` does."""
+        raise NotImplementedError(f"{type(self).__name__} does not support --kv-sharing last")
+
 
 class AttentionBackend(abc.ABC):
     """Attention over the paged cache for every request of a step."""

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from hal.shared_kv import SharedRegion
 
 
 @attrs.frozen
@@ -56,6 +60,9 @@ class AttentionMetadata:
 
     ``host_query_start_loc`` and ``host_context_lens`` hold the same bounds on the host, for
     backends that loop over requests: reading them never waits for the device.
+
+    ``shared``: under decode KV sharing, where each position's K/V lives (``hal.shared_kv``):
+    the block tables then cover prompt positions only, and generated ones live in shared planes.
     """
 
     block_size: int
@@ -66,6 +73,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [R + 1] int32
     host_query_start_loc: tuple[int, ...]
     host_context_lens: tuple[int, ...]
+    shared: SharedRegion | None = None
     _slots: dict = attrs.field(factory=dict, init=False, repr=False)
 
     @property
@@ -84,6 +92,11 @@ class AttentionMetadata:
     def request_slots(self, r: int) -> torch.Tensor:
         """Slots of positions ``0 .. seq_len - 1`` of request ``r`` (int64, on the device):
         the gather index of eager backends, derived once per step from the block table."""
+        if self.shared is not None:
+            raise RuntimeError(
+                "a kv-sharing step has no per-plane slots: read a request's K/V with "
+                "hal.shared_kv.request_kv"
+            )
         if r not in self._slots:
             start, n, ctx = self.request(r)
             blocks = -(-(ctx + n) // self.block_size)
@@ -94,6 +107,10 @@ class AttentionMetadata:
 
     def select(self, requests: Sequence[int]) -> AttentionMetadata:
         """The metadata of some of the step's requests (their rows renumbered from 0)."""
+        if self.shared is not None:
+            from hal.shared_kv import select_shared
+
+            return select_shared(self, requests)
         device = self.block_tables.device
         rows: list[int] = []
         starts, ctx = [0], []
@@ -172,6 +189,7 @@ class AttentionMetadata:
             seq_lens=seq_lens,
             context_lens=ctx_lens,
             query_start_loc=starts,
+            shared=None if self.shared is None else self.shared.to(device),
         )
         return meta, moved[len(names) :]
 

@@ -78,6 +78,10 @@ def add_parsers(sub) -> None:
     _model_args(ops)
     ops.add_argument("--steps", type=int, default=3, help="decode steps counted")
     ops.set_defaults(func=cmd_ops)
+    kvs = kinds.add_parser("kv-sharing", help="long generations at a fixed pool: full vs shared KV")
+    _load_args(kvs, output_len=2048)
+    EngineArgs.add_cli_args(kvs, fields=("kv_cache_memory",))  # the pool both modes share
+    kvs.set_defaults(func=cmd_kv_sharing, input_len=256, runs=1)
     srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
     srv.add_argument("--url", required=True)
     srv.add_argument("--model", help="served model name (default: the server's first)")
@@ -213,6 +217,13 @@ def cmd_detokenize(args) -> int:
     tokenizer = load_tokenizer(EngineArgs.from_cli_args(args).model_dir())
     report = detokenize(tokenizer, args.lengths, args.runs)
     return _emit(args, report, markdown_detokenize(report))
+
+
+def cmd_kv_sharing(args) -> int:
+    from runtime_glue.bench.kv_sharing_bench import from_args, markdown_kv_sharing
+
+    report = from_args(args)
+    return _emit_model(args, report, markdown_kv_sharing(report))
 
 
 def cmd_serve(args) -> int:

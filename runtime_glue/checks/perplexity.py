@@ -8,7 +8,8 @@ each window is one sequence from position 0, scored at every position. Per exit 
 fixed loop, the checkpoint's threshold, weighted, and adaptive depth (decode rows leaving
 after their exit loop), the last teacher-forced one token at a time, as decoding runs it.
 For each loop, the fraction of positions whose argmax equals the last loop's: the number
-that bounds how often a draft from that loop is accepted.
+that bounds how often a draft from that loop is accepted. Under ``--kv-sharing last``, also
+the mode's cost against full KV (``runtime_glue.checks.kv_sharing_eval``).
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ def perplexity(
     max_tokens: int | None = None,
     adaptive_tokens: int = 2048,
     random_baseline: LLM | None = None,
+    kv_sharing_tokens: int = 2048,
 ) -> dict:
     """The report of ``rlt-hal eval --perplexity`` (see the module docstring). Window length
     and token count default to the checkpoint's training record, else 128 and 16384."""
@@ -231,6 +233,11 @@ def perplexity(
     }
     if threshold is not None and adaptive_tokens > 0:
         report["adaptive"] = adaptive(llm, held[: max(1, adaptive_tokens // seq_len)], threshold)
+    if llm.args.kv_sharing == "last" and kv_sharing_tokens > 0:
+        from runtime_glue.checks.kv_sharing_eval import kv_sharing_quality
+
+        some = held[: max(1, kv_sharing_tokens // seq_len)]
+        report["kv_sharing"] = kv_sharing_quality(llm, some, prefix=seq_len // 4)
     if random_baseline is not None:
         last = ExitMode(step=llm.config.total_ut_steps - 1)
         scorer, nll, correct = Scorer(random_baseline), 0.0, 0
@@ -271,6 +278,10 @@ def markdown_perplexity(report: dict) -> str:
     lines.append(
         f"unigram model of the training text: perplexity {report['unigram']['perplexity']:.2f}"
     )
+    if "kv_sharing" in report:
+        from runtime_glue.checks.kv_sharing_eval import markdown_kv_sharing
+
+        lines.append(markdown_kv_sharing(report["kv_sharing"]))
     if "random_weights" in report:
         lines.append(
             f"the same model at initialisation (random weights): perplexity "

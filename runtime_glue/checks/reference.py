@@ -15,6 +15,11 @@ LlamaRMSNorm, LlamaMLP, LlamaAttention (``eager_attention_forward``), LlamaRotar
 (loop, layer) plane. It loads the same safetensors as the runtime, and decodes one request
 at a time exactly as HF generate does (prefill the prompt, then one token per step, logits
 of the last position only).
+
+``kv_sharing="last"`` runs the Ouro paper's last-step reuse (section 5.4.2) through a cache of
+its own (``SharedDecodeCache``): the prompt keeps one cache layer per plane, and generated
+positions one per layer, which each loop overwrites, so a later token reads the last loop's
+K/V. It is written from that definition alone (the runtime's form is ``hal.shared_kv``).
 """
 
 from __future__ import annotations
@@ -82,6 +87,39 @@ NORMS = (
 )
 
 
+class SharedDecodeCache:
+    """The cache ``LlamaAttention`` updates, under decode KV sharing: prefill stores every
+    plane's K/V (layer index ``t * L + l``); once ``decoding`` is set, a position's K/V at
+    layer ``l`` goes to one shared entry per layer, appended by loop 0 and overwritten by each
+    later loop, and attention at plane ``(t, l)`` sees that plane's prompt K/V followed by the
+    shared entries (its own position as this loop just wrote it)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.prompt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.decoding = False
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        if not self.decoding:
+            if layer_idx in self.prompt:
+                raise RuntimeError("SharedDecodeCache takes the prompt in one call")
+            self.prompt[layer_idx] = (key, value)
+            return key, value
+        t, layer = divmod(layer_idx, self.num_layers)
+        if layer not in self.shared:
+            k, v = key, value
+        elif t == 0:  # a new position
+            k = torch.cat((self.shared[layer][0], key), dim=-2)
+            v = torch.cat((self.shared[layer][1], value), dim=-2)
+        else:  # the same position, a later loop: replaces the previous loop's K/V
+            k = torch.cat((self.shared[layer][0][:, :, :-1], key), dim=-2)
+            v = torch.cat((self.shared[layer][1][:, :, :-1], value), dim=-2)
+        self.shared[layer] = (k, v)
+        pk, pv = self.prompt[layer_idx]
+        return torch.cat((pk, k), dim=-2), torch.cat((pv, v), dim=-2)
+
+
 class OuroReference(torch.nn.Module):
     def __init__(self, cfg: OuroConfig) -> None:
         super().__init__()
@@ -142,7 +180,7 @@ class OuroReference(torch.nn.Module):
         self,
         ids: torch.Tensor,
         start: int,
-        cache: DynamicCache,
+        cache: DynamicCache | SharedDecodeCache,
         exit_rule: tuple = (None, None, False),
     ) -> tuple[torch.Tensor, int]:
         """ids ``[1, S]`` at positions ``start..start+S-1``; returns the last position's logits
@@ -220,15 +258,23 @@ class OuroReference(torch.nn.Module):
         exit_threshold: float | None = None,
         weighted_exit: bool = False,
         with_exit_steps: bool = False,
+        kv_sharing: str = "none",
     ):
         """Greedy tokens and the float32 logits each was chosen from (and, when asked, the loop
-        each token's logits came from). Without an exit choice, the config's defaults apply."""
+        each token's logits came from). Without an exit choice, the config's defaults apply.
+        ``kv_sharing``: "none" (every plane of every position) or "last" (SharedDecodeCache)."""
         rule = (exit_at_step, exit_threshold, weighted_exit)
         if rule == (None, None, False):
             rule = (self.cfg.early_exit_step, self.cfg.early_exit_threshold, False)
-        cache = DynamicCache()
+        if kv_sharing not in ("none", "last"):
+            raise ValueError(f"kv_sharing must be 'none' or 'last', got {kv_sharing!r}")
+        cache: DynamicCache | SharedDecodeCache = DynamicCache()
+        if kv_sharing == "last":
+            cache = SharedDecodeCache(self.cfg.num_hidden_layers)
         dev = self.lm_head.weight.device
         logits, loop = self.forward_step(torch.tensor([prompt_ids], device=dev), 0, cache, rule)
+        if isinstance(cache, SharedDecodeCache):
+            cache.decoding = True
         tokens, all_logits, loops = [], [], []
         pos = len(prompt_ids)
         for _ in range(max_new_tokens):

@@ -179,7 +179,9 @@ def _add_eval(sub) -> None:
         "eval", help="exact-match accuracy of two configurations on a question set, and agreement"
     )
     # Side A: rlt-hal with these options (HF-exact unless --deterministic).
-    EngineArgs.add_cli_args(p, fields=("model", "preset", "device", "deterministic"))
+    EngineArgs.add_cli_args(
+        p, fields=("model", "preset", "device", "deterministic", "kv_sharing")
+    )  # --kv-sharing last: --perplexity also measures the mode against full KV
     p.add_argument(
         "--against",
         default="reference",

@@ -156,6 +156,15 @@ class EngineArgs:
         "the bits may differ within the engine's tolerance)",
         action=argparse.BooleanOptionalAction,
     )
+    # Decode KV sharing (runtime_glue.engine.shared_blocks, hal.shared_kv).
+    kv_sharing: str = cli_field(
+        "none",
+        "decode KV: 'none' keeps every loop's K/V of every position; 'last' keeps generated "
+        "positions' K/V in one plane per layer that every loop reads and writes (the Ouro "
+        "paper's last-step reuse: a generated token costs 1/loops of the KV; changes the "
+        "arithmetic, see README)",
+        choices=["none", "last"],
+    )
 
     # -- step graphs (runtime_glue.engine.graphs) --
     step_graphs: bool = cli_field(
@@ -180,6 +189,28 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace | dict, **overrides: Any) -> EngineArgs:
         return from_fields(cls, args, **overrides)
+
+    # Options that do not combine yet, with why: (option, value, option, value, why).
+    CONFLICTS = (
+        (
+            "kv_sharing", "last", "mode", "fast",
+            "the fused loop and ascend_fia read and write only a plane's own slots",
+        ),
+        (
+            "kv_sharing", "last", "step_graphs", True,
+            "a captured step's static metadata addresses one plane per block",
+        ),
+    )  # fmt: skip
+
+    def check_combinations(self) -> None:
+        """Raise a ValueError naming the first pair of options that do not combine."""
+        for a, va, b, vb, why in self.CONFLICTS:
+            if getattr(self, a) == va and getattr(self, b) == vb:
+                flag = "--" + b.replace("_", "-")
+                shown = flag if vb is True else f"{flag} {vb}"
+                raise ValueError(
+                    f"--{a.replace('_', '-')} {va} cannot be combined with {shown}: {why}"
+                )
 
     def model_dir(self) -> Path:
         """``model``, or the embedded toy checkpoint of ``preset`` (written once, then cached)."""

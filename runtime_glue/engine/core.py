@@ -10,6 +10,10 @@ cross into it. When a running request needs a page and none can be had, the newe
 request is preempted: its pages are released and it waits at the head of the queue, to be
 recomputed (its prompt, then its generated tokens as generated positions, so that in
 deterministic mode it then produces exactly the tokens it would have).
+
+Under ``--kv-sharing last`` (``runtime_glue.engine.shared_blocks``) a request's prompt takes
+prompt blocks and its generated positions take generated blocks, T to a physical block; the
+same rules hold for both kinds.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ import torch
 
 from hal.graphs import StepGraphs
 from hal.interfaces import Device
+from hal.shared_kv import build_shared_metadata, check_kv_sharing
 from hal.types import AttentionMetadata
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 from runtime_glue.engine.graphs import StepGraphRunner
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampling import SamplingParams, sample
+from runtime_glue.engine.shared_blocks import SharedBlocks
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel, StepInputs
 
@@ -50,8 +56,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     prefill_chunk_size: int | None = None  # None: full prefill
     enable_prefix_caching: bool = False
+    kv_sharing: str = "none"  # "last": generated positions keep L shared planes (hal.shared_kv)
 
     def __attrs_post_init__(self) -> None:
+        check_kv_sharing(self.kv_sharing)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -75,16 +83,22 @@ class Engine:
         max_model_len: int | None = None,
         prefix_salt: bytes = b"",
         step_graphs: StepGraphs | None = None,
+        shared_blocks: SharedBlocks | None = None,
     ) -> None:
         """``prefix_salt``: what besides the tokens decides a block's K/V (the checkpoint, the
         execution plan); prefix-cache hashes start from it, so engines sharing one allocator
         under other plans never share a block. ``step_graphs``: capture decode-only steps
-        and replay them (``runtime_glue.engine.graphs``)."""
+        and replay them (``runtime_glue.engine.graphs``). ``shared_blocks``: the generated
+        blocks under kv sharing (made here from ``allocator`` when not given)."""
         self.model = model
         self.prefix_salt = prefix_salt
         self.device = device
         self.allocator = allocator
         self.config = config or EngineConfig()
+        self.shared: SharedBlocks | None = None
+        if self.config.kv_sharing == "last":
+            loops = model.cfg.total_ut_steps
+            self.shared = shared_blocks or SharedBlocks(allocator, loops)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
@@ -143,7 +157,17 @@ class Engine:
                 f"exceeds the model's maximum length of {self.max_model_len} tokens",
                 "max_tokens",
             )
-        if need > self.pool_tokens:
+        if self.shared is not None:
+            blocks = self.allocator.blocks_for(n)
+            blocks += self.shared.physical_for(self.allocator.blocks_for(max_tokens))
+            if blocks > self.allocator.num_blocks:
+                raise InvalidRequest(
+                    f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} blocks of "
+                    f"KV cache under kv sharing, but the whole pool has "
+                    f"{self.allocator.num_blocks} blocks of {self.allocator.block_size}",
+                    "max_tokens",
+                )
+        elif need > self.pool_tokens:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} "
                 f"tokens of KV cache, but the whole pool holds {self.pool_tokens} tokens "
@@ -203,7 +227,11 @@ class Engine:
 
     def audit_pages(self) -> None:
         """Check the allocator against the running requests' block tables (tests, debugging)."""
-        self.allocator.audit([req.blocks for req in self.running] + [self.reserved_blocks])
+        tables = [req.blocks for req in self.running] + [self.reserved_blocks]
+        if self.shared is not None:
+            self.shared.audit([req.gen_blocks for req in self.running])
+            tables.append(self.shared.homes)
+        self.allocator.audit(tables)
 
     @property
     def num_free_blocks(self) -> int:
@@ -215,9 +243,7 @@ class Engine:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-        if req.blocks:
-            self.allocator.free_after(req.blocks, req.last_fence)
-            req.blocks = []
+        self._release(req)
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         self.requests.pop(req.request_id, None)
 
@@ -257,33 +283,68 @@ class Engine:
         start, chunk = req.num_computed, self.config.prefill_chunk_size
         end = req.num_tokens if start >= len(req.prompt_ids) else len(req.prompt_ids)
         pending = end - start
+        if self.shared is not None and start >= len(req.prompt_ids):
+            # Under kv sharing a generated position must see the earlier ones' last-loop K/V,
+            # which a chunk of them computed together does not have yet: one at a time.
+            return min(1, pending, budget)
         if chunk is None and req.in_prefill:
             return pending if pending <= budget else 0  # full prefill, or not this step
         return min(pending, chunk or pending, budget)
 
+    def _needs(self, req: Request, tokens: int) -> tuple[int, int]:
+        """The prompt blocks and generated blocks ``req`` lacks for its first ``tokens``
+        positions (every block is a prompt block without kv sharing)."""
+        split = len(req.prompt_ids) if self.shared is not None else tokens
+        prompt = self.allocator.blocks_for(min(tokens, split)) - len(req.blocks)
+        generated = self.allocator.blocks_for(max(0, tokens - split)) - len(req.gen_blocks)
+        return max(0, prompt), max(0, generated)
+
+    def _take(self, req: Request, tokens: int) -> bool:
+        """Allocate the blocks ``req`` lacks for its first ``tokens`` positions: all or none."""
+        need, gen_need = self._needs(req, tokens)
+        pages = self.allocator.allocate(need) if need else []
+        if pages is None:
+            return False
+        if gen_need:
+            assert self.shared is not None
+            gen = self.shared.allocate(gen_need)
+            if gen is None:
+                self.allocator.free_after(pages, None)  # never used
+                return False
+            req.gen_blocks += gen
+        req.blocks += pages
+        return True
+
     def _pages_for(self, req: Request, tokens: int) -> bool:
         """Give ``req`` pages for its first ``tokens`` positions, preempting the newest running
         requests while none can be had; False if ``req`` itself was preempted."""
-        need = self.allocator.blocks_for(tokens) - len(req.blocks)
-        while need > 0:
-            pages = self.allocator.allocate(need)
-            if pages is None and self.allocator.num_pending:
-                self.allocator.reclaim(wait=True)  # a finished request's pages, still fenced
-                pages = self.allocator.allocate(need)
-            if pages is not None:
-                req.blocks += pages
-                return True
+        while not self._take(req, tokens):
+            pending = self.allocator.num_pending + (self.shared.num_pending if self.shared else 0)
+            if pending:  # a finished request's pages, still fenced
+                if self.shared is not None:
+                    self.shared.reclaim(wait=True)
+                self.allocator.reclaim(wait=True)
+                if self._take(req, tokens):
+                    return True
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
                 return False
         return True
 
+    def _release(self, req: Request) -> None:
+        if req.blocks:
+            self.allocator.free_after(req.blocks, req.last_fence)
+        if req.gen_blocks:
+            assert self.shared is not None
+            self.shared.free_after(req.gen_blocks, req.last_fence)
+        req.blocks, req.gen_blocks = [], []
+
     def _preempt(self, req: Request) -> None:
         """Release ``req``'s pages and queue it first, to be recomputed from its cached prefix."""
         self.running.remove(req)
-        self.allocator.free_after(req.blocks, req.last_fence)
-        req.blocks, req.num_computed, req.registered = [], 0, 0
+        self._release(req)
+        req.num_computed, req.registered = 0, 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.stats["preemptions"] += 1
@@ -298,18 +359,23 @@ class Engine:
             usable = (len(req.prompt_ids) - 1) // self.allocator.block_size
             cached = self.allocator.cached_prefix(req.block_hashes[:usable])
             self.stats["prefix_cache_queries"] += usable * self.allocator.block_size
-        need = self.allocator.blocks_for(req.num_tokens) - len(cached)
+        need, gen_need = self._needs(req, req.num_tokens)
+        need -= len(cached)
         self.allocator.share(cached)  # before allocating, so none of them is evicted
-        fresh = None
+        fresh: list[int] | None = None
+        gen: list[int] | None = None
         self.allocator.reclaim()
-        if need + len(self.running) <= self.allocator.num_free:
-            fresh = self.allocator.allocate(need)
-        if fresh is None:
-            if cached:
-                self.allocator.free_after(cached, None)
+        if self.shared is None and need + len(self.running) <= self.allocator.num_free:
+            fresh, gen = self.allocator.allocate(need), []
+        elif self.shared is not None and self.shared.fits(need, gen_need + len(self.running)):
+            fresh, gen = self.allocator.allocate(need), self.shared.allocate(gen_need)
+        if fresh is None or gen is None:
+            self.allocator.free_after(cached + (fresh or []), None)
+            if gen and self.shared is not None:
+                self.shared.free_after(gen, None)
             return False
         self.waiting.popleft()
-        req.blocks = cached + fresh
+        req.blocks, req.gen_blocks = cached + fresh, gen
         req.num_computed = req.registered = len(cached) * self.allocator.block_size
         self.stats["prefix_cache_hits"] += req.num_computed
         req.status = Status.RUNNING
@@ -328,7 +394,7 @@ class Engine:
 
     def _build_step(self, plan: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
         """The step's inputs, built on the host and moved to the device in one copy."""
-        requests: list[tuple[int, int, list[int]]] = []
+        requests: list = []
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -336,7 +402,10 @@ class Engine:
         start = prompt_rows = prompt_samples = 0
         for req, n in plan:
             ctx = req.num_computed
-            requests.append((n, ctx, req.blocks))
+            if self.shared is None:
+                requests.append((n, ctx, req.blocks))
+            else:
+                requests.append((n, ctx, req.blocks, len(req.prompt_ids), req.gen_blocks))
             ids += req.tokens(ctx, ctx + n)
             positions += range(ctx, ctx + n)
             if req.in_prefill:
@@ -348,7 +417,13 @@ class Engine:
             start += n
         bs = self.allocator.block_size
         slots = self.allocator.num_blocks * bs
-        meta = AttentionMetadata.build(bs, requests, slots)  # checked on the host
+        if self.shared is None:
+            meta = AttentionMetadata.build(bs, requests, slots)  # checked on the host
+        else:
+            cfg = self.model.cfg
+            meta = build_shared_metadata(
+                bs, requests, slots, cfg.num_hidden_layers, cfg.total_ut_steps
+            )
         host = [torch.tensor(v, dtype=torch.int64) for v in (ids, positions, rows)]
         meta, (ids_t, pos_t, rows_t) = meta.to(
             self.device.torch_device, *host, pin=self.device.pin_memory

@@ -17,6 +17,7 @@ from runtime_glue.engine.args import RANDOM_BANNER, EngineArgs
 from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.engine.shared_blocks import SharedBlocks
 from runtime_glue.engine.tokenizer import load_tokenizer
 from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
@@ -100,6 +101,7 @@ class LLM:
         if args.dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {args.dtype!r}")
         check_block_size(args.block_size)
+        args.check_combinations()
         self.args = args
         self.model_dir = args.model_dir()
         self.config = OuroConfig.from_dir(self.model_dir)
@@ -117,10 +119,16 @@ class LLM:
         self.kv_layout = attrs.evolve(probe, num_blocks=blocks)
         self.weights = weights
         self.engine_config = EngineConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.prefill_chunk_size,
+            kv_sharing=args.kv_sharing,
         )
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
         self.allocator = BlockAllocator(blocks, args.block_size)  # shared by variants, as the pool
+        self.shared_blocks = (
+            SharedBlocks(self.allocator, cfg.total_ut_steps) if args.kv_sharing == "last" else None
+        )
         self.enable_prefix_caching = args.enable_prefix_caching
         logger.info("%s", self.kv_summary)
         plan = resolve(
@@ -166,6 +174,7 @@ class LLM:
             tokenizer=self.tokenizer,
             prefix_salt=f"{self.model_dir.resolve()}|{plan.describe()}".encode(),
             step_graphs=graphs,
+            shared_blocks=self.shared_blocks,
         )
 
     def variant(
@@ -207,11 +216,20 @@ class LLM:
         """How many tokens the KV pool holds, and what one token costs."""
         lay = self.kv_layout
         total = lay.bytes_per_token * lay.num_slots
-        return (
+        summary = (
             f"KV pool: {lay.num_blocks} blocks x {lay.block_size} tokens = {lay.num_slots} "
             f"tokens over {lay.num_planes} planes, {lay.bytes_per_token} bytes/token, "
             f"{total / 2**20:.1f} MiB"
         )
+        if self.args.kv_sharing == "last":
+            loops = self.config.total_ut_steps
+            summary += (
+                f"; kv sharing last: a prompt block keeps {lay.num_planes} planes, a generated "
+                f"block {lay.num_planes // loops} (1/{loops} of a block, "
+                f"{lay.bytes_per_token // loops} bytes/token): the pool holds "
+                f"{lay.num_blocks} prompt blocks or {lay.num_blocks * loops} generated blocks"
+            )
+        return summary
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -28,6 +28,9 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = attrs.field(factory=list)
     blocks: list[int] = attrs.field(factory=list)  # block table: position p in blocks[p // bs]
+    # Under --kv-sharing last, blocks hold the prompt only and generated position p lives in
+    # generated block gen_blocks[(p - len(prompt_ids)) // bs] (runtime_glue.engine.shared_blocks).
+    gen_blocks: list[int] = attrs.field(factory=list)
     block_hashes: list[bytes] = attrs.field(factory=list)  # of the prompt's full blocks
     registered: int = 0  # prompt tokens whose blocks were offered to the prefix cache
     num_computed: int = 0  # tokens whose K/V is already in every plane

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hal.interfaces import Driver, KVStore
+from hal.shared_kv import write_kv
 from hal.types import AttentionMetadata
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode, exit_pdf, threshold_steps
@@ -190,7 +191,7 @@ class OuroModel:
         q = q * cos + rotate_half(q) * sin  # [1, Hq, N, d]
         k = k * cos + rotate_half(k) * sin  # [1, Hkv, N, d]
         plane = t * cfg.num_hidden_layers + li
-        self.kv.write(plane, k[0].transpose(0, 1), v[0].transpose(0, 1), meta.slot_mapping)
+        write_kv(self.kv, plane, k[0].transpose(0, 1), v[0].transpose(0, 1), meta)
         o = self.backend.forward(  # [N, Hq * d]
             q, plane, self.kv, meta, self.scaling, deterministic=self.plan.deterministic
         )
@@ -344,7 +345,8 @@ class Adaptive:
         for r in leaving:
             position = self.batch.index(self.step.host_sample_rows[r])
             self.exited[r] = (t, h[position : position + 1])
-            self._fill_skipped_planes(t, meta, position)
+            if meta.shared is None:  # under kv sharing its shared planes hold loop t's K/V
+                self._fill_skipped_planes(t, meta, position)
         gone = {self.step.host_sample_rows[r] for r in leaving}
         keep = [i for i, row in enumerate(self.batch) if row not in gone]
         starts = meta.host_query_start_loc

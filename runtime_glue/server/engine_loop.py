@@ -153,4 +153,8 @@ class EngineLoop:
         self.metrics.waiting.set(len(eng.waiting))
         self.metrics.free_blocks.set(eng.num_free_blocks)
         self.metrics.cached_blocks.set(eng.allocator.num_cached)
+        homes = len(eng.shared.homes) if eng.shared is not None else 0
+        self.metrics.blocks_in_use.labels("prompt").set(eng.allocator.num_in_use - homes)
+        generated = eng.shared.num_in_use if eng.shared is not None else 0
+        self.metrics.blocks_in_use.labels("generated").set(generated)
         self.metrics.sync_counters(eng.stats)

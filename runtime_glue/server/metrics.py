@@ -44,6 +44,15 @@ class Metrics:
             "KV cache blocks that can be handed out (free, or cached and unused)",
             registry=reg,
         )
+        self.blocks_in_use = Gauge(
+            "rlt_hal_kv_blocks_in_use",
+            "KV cache blocks in use, by kind: prompt blocks keep every plane; generated blocks "
+            "(--kv-sharing last only) keep one plane per layer, loops of them to a pool block",
+            ["kind"],
+            registry=reg,
+        )
+        for kind in ("prompt", "generated"):
+            self.blocks_in_use.labels(kind)
         self.cached_blocks = Gauge(
             "rlt_hal_kv_cached_blocks",
             "KV cache blocks holding a prefix-cache entry (in use or not)",
