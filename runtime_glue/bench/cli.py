@@ -61,6 +61,13 @@ def add_parsers(sub) -> None:
     )
     _load_args(ad, output_len=32)
     ad.set_defaults(func=cmd_adaptive)
+    sp = kinds.add_parser(
+        "speculative", help="self-speculative decoding (drafts from early loops) vs plain"
+    )
+    _load_args(sp, output_len=32)
+    sp.add_argument("--loops-grid", type=_ints, default=[1, 2], help="values of E")
+    sp.add_argument("--tokens-grid", type=_ints, default=[2, 4, 8], help="values of K")
+    sp.set_defaults(func=cmd_speculative)
     dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
     EngineArgs.add_cli_args(dt, fields=("model", "preset"))
     dt.add_argument("--lengths", type=_ints, default=[100, 500, 1000, 2000])
@@ -174,6 +181,22 @@ def cmd_adaptive(args) -> int:
     llm = _llm(args, _load_tokens(args))
     report = adaptive_depth(llm, args.input_len, args.output_len, args.runs, args.concurrency)
     return _emit_model(args, report, markdown_adaptive(report))
+
+
+def cmd_speculative(args) -> int:
+    from runtime_glue.bench.speculative_bench import markdown_speculative, speculative
+
+    llm = _llm(args, _load_tokens(args) + args.concurrency * max(args.tokens_grid))
+    report = speculative(
+        llm,
+        args.loops_grid,
+        args.tokens_grid,
+        args.input_len,
+        args.output_len,
+        args.runs,
+        args.concurrency,
+    )
+    return _emit_model(args, report, markdown_speculative(report))
 
 
 def cmd_detokenize(args) -> int:

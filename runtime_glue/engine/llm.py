@@ -17,6 +17,7 @@ from runtime_glue.engine.args import RANDOM_BANNER, EngineArgs
 from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.engine.speculative import SpeculativeConfig
 from runtime_glue.engine.tokenizer import load_tokenizer
 from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
@@ -27,6 +28,21 @@ from runtime_glue.ouro.resolve import resolve
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+def speculative_config(args: EngineArgs, cfg: OuroConfig) -> SpeculativeConfig | None:
+    """The speculative-decoding options of ``args``, checked; None when off."""
+    if args.speculative_loops is None:
+        if args.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens needs speculative_loops (--speculative-loops)")
+        return None
+    tokens = args.num_speculative_tokens
+    spec = SpeculativeConfig(
+        args.speculative_loops, DEFAULT_SPECULATIVE_TOKENS if tokens is None else tokens
+    )
+    spec.check(cfg.total_ut_steps, args.adaptive_depth)
+    return spec
 
 
 @attrs.frozen
@@ -103,6 +119,7 @@ class LLM:
         self.args = args
         self.model_dir = args.model_dir()
         self.config = OuroConfig.from_dir(self.model_dir)
+        self.speculative = speculative_config(args, self.config)  # refused before loading
         self.tokenizer = load_tokenizer(self.model_dir)
         self.driver = (registry or default_registry()).create(args.device, **(driver_options or {}))
         self.driver.device.initialize()
@@ -152,7 +169,10 @@ class LLM:
             eos_token_ids=self.config.eos_token_ids,
             tokenizer=self.tokenizer,
             prefix_salt=f"{self.model_dir.resolve()}|{plan.describe()}".encode(),
+            speculative=self.speculative,
         )
+        if self.speculative is not None:
+            logger.info("%s", self.speculative.describe(self.config.total_ut_steps))
 
     def variant(
         self,
@@ -178,6 +198,16 @@ class LLM:
             adaptive,
         )
         other._build(plan)
+        return other
+
+    def with_speculation(self, loops: int | None, tokens: int | None = None) -> LLM:
+        """The same weights, plan and KV pool with speculative decoding from the first
+        ``loops`` loops (None: off); ``tokens`` drafts per verify (default 4). Run one of the
+        two at a time, as with :meth:`variant`."""
+        other = copy.copy(self)
+        args = attrs.evolve(self.args, speculative_loops=loops, num_speculative_tokens=tokens)
+        other.speculative = speculative_config(args, self.config)
+        other._build(self.plan)
         return other
 
     @property
@@ -257,8 +287,11 @@ def build_llm(
     llm = LLM.from_engine_args(args, progress=progress, **options)
     if announce:
         caching = "on" if llm.engine.config.enable_prefix_caching else "off"
+        spec = llm.speculative
+        spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
         print(
-            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}", file=sys.stderr
+            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}",
+            file=sys.stderr,
         )
         print(llm.kv_summary, file=sys.stderr)
     return llm

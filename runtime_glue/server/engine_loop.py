@@ -154,3 +154,7 @@ class EngineLoop:
         self.metrics.free_blocks.set(eng.num_free_blocks)
         self.metrics.cached_blocks.set(eng.allocator.num_cached)
         self.metrics.sync_counters(eng.stats)
+        while eng.speculator is not None and eng.speculator.accepted_per_verify:
+            self.metrics.spec_accepted_per_verify.observe(
+                eng.speculator.accepted_per_verify.popleft()
+            )
