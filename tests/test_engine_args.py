@@ -38,7 +38,9 @@ def test_every_engine_option_reaches_the_engine_commands(command):
     assert {_flag(n) for n in FIELDS} <= _flags(_subparser(command))
 
 
-@pytest.mark.parametrize("bench", ["latency", "baseline", "plans", "adaptive", "determinism"])
+@pytest.mark.parametrize(
+    "bench", ["latency", "baseline", "plans", "adaptive", "determinism", "speculative"]
+)
 def test_bench_commands_take_the_engine_options_they_do_not_size_themselves(bench):
     from runtime_glue.bench.cli import SET_BY_BENCH
 

@@ -262,3 +262,38 @@ def test_in_hf_exact_mode_speculation_keeps_the_batching_tolerance(checkpoints):
     for (tokens, logits), (ref_tokens, ref_logits) in zip(got, want, strict=True):
         assert tokens == ref_tokens
         assert (logits - ref_logits).abs().max().item() <= 0.5
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+def test_a_speculative_server_answers_as_plain_decoding_and_counts_its_drafts(tiny_ckpt, tiny):
+    import openai
+
+    from tests.server_helpers import ServerProcess
+
+    server = ServerProcess(tiny_ckpt, "--speculative-loops", "2", "--num-speculative-tokens", "3")
+    try:
+        assert "speculative decoding on: 3 drafts from loops 0..1" in server.output()
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0)
+        prompt = prompt_of(8, seed=5)
+        want = tiny.generate([prompt], greedy(12))[0].text
+        for extra in ({}, {"num_speculative_tokens": 1}, {"num_speculative_tokens": 0}):
+            got = client.completions.create(
+                model="toy",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True, **extra},
+            )
+            assert got.choices[0].text == want
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(
+                model="toy", prompt="x", max_tokens=2, extra_body={"num_speculative_tokens": 64}
+            )
+        m = server.metrics()
+        assert m["rlt_hal_spec_verify_steps_total"] > 0
+        assert m["rlt_hal_spec_drafted_total"] >= m["rlt_hal_spec_accepted_total"]
+        assert m["rlt_hal_spec_accepted_per_verify_count"] == m["rlt_hal_spec_verify_steps_total"]
+    finally:
+        server.stop()

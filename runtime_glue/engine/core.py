@@ -31,7 +31,12 @@ from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampling import SamplingParams, sample
-from runtime_glue.engine.speculative import Entry, SpeculativeConfig, Speculator
+from runtime_glue.engine.speculative import (
+    MAX_SPECULATIVE_TOKENS,
+    Entry,
+    SpeculativeConfig,
+    Speculator,
+)
 from runtime_glue.ouro import loops
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel, StepInputs
@@ -106,6 +111,12 @@ class Engine:
         self.speculator: Speculator | None = None
         if speculative is not None:
             speculative.check(model.cfg.total_ut_steps, model.plan.adaptive_depth)
+            if speculative.tokens >= self.config.max_num_batched_tokens:
+                raise ValueError(
+                    f"num_speculative_tokens ({speculative.tokens}) must be below "
+                    f"max_num_batched_tokens ({self.config.max_num_batched_tokens}): a verify "
+                    "step computes num_speculative_tokens + 1 rows"
+                )
             self.speculator = Speculator(speculative, model.cfg.total_ut_steps)
             self.stats.update(self.speculator.stats)
 
@@ -128,11 +139,8 @@ class Engine:
                 f"got {params.exit_at_step}",
                 "exit_at_step",
             )
-        if params.num_speculative_tokens and self.speculator is None:
-            raise InvalidRequest(
-                "num_speculative_tokens needs an engine started with --speculative-loops",
-                "num_speculative_tokens",
-            )
+        if params.num_speculative_tokens:
+            self._validate_speculation(params.num_speculative_tokens)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -161,6 +169,20 @@ class Engine:
                 f"({self.config.max_num_batched_tokens}) with full prefill; raise "
                 "--max-num-batched-tokens or set --prefill-chunk-size",
                 "prompt",
+            )
+
+    def _validate_speculation(self, k: int) -> None:
+        if self.speculator is None:
+            raise InvalidRequest(
+                "num_speculative_tokens needs an engine started with --speculative-loops",
+                "num_speculative_tokens",
+            )
+        most = min(MAX_SPECULATIVE_TOKENS, self.config.max_num_batched_tokens - 1)
+        if k > most:
+            raise InvalidRequest(
+                f"num_speculative_tokens must be in [0, {most}] (a verify step computes k + 1 "
+                f"rows, within max_num_batched_tokens), got {k}",
+                "num_speculative_tokens",
             )
 
     def add_request(

@@ -159,8 +159,9 @@ class Speculator:
         E = self.config.loops
         verify_states = torch.stack(states) if states else like.new_empty(0, E, like.shape[1])
         verify_gates = None
-        if gated and states:
-            verify_gates = torch.stack([g for r, _ in verifies for g in r.spec.gates])  # type: ignore
+        if gated and states:  # a request that exits by the last loop may have none: unused
+            kept = [g for r, _ in verifies for g in r.spec.gates]  # type: ignore[union-attr]
+            verify_gates = torch.stack([like.new_zeros(E) if g is None else g for g in kept])
         return LoopRows(
             E,
             len(normal),
