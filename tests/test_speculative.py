@@ -297,3 +297,23 @@ def test_a_speculative_server_answers_as_plain_decoding_and_counts_its_drafts(ti
         assert m["rlt_hal_spec_accepted_per_verify_count"] == m["rlt_hal_spec_verify_steps_total"]
     finally:
         server.stop()
+
+
+def test_bench_speculative_reports_the_grid_against_plain_decoding(tmp_path):
+    from tests.test_bench import _bench
+
+    report, table = _bench(
+        tmp_path,
+        "speculative --preset tiny --input-len 8 --output-len 6 --runs 1 --concurrency 2 "
+        "--block-size 16 --loops-grid 1,3 --tokens-grid 2",
+    )
+    assert set(report["levels"]) == {"c1", "c2"}
+    for level in report["levels"].values():
+        assert [(g["E"], g["K"]) for g in level["grid"]] == [(1, 2), (3, 2)]
+        for g in level["grid"]:
+            assert g["identical"] and g["tpot_s"] > 0 and g["tok_s"] > 0
+            assert 1 <= g["tokens_per_verify"] <= 3
+            d, v = g["draft_step_s"], g["verify_step_s"]
+            assert g["tpot_at_acceptance_0_s"] == pytest.approx(3 * d + v)
+            assert g["tpot_at_acceptance_1_s"] == pytest.approx((3 * d + v) / 3)
+    assert "| 1 | 2 |" in table and "yes" in table

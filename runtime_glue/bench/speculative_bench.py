@@ -3,10 +3,10 @@
 For each (E, K) of a grid, on one load of the weights and one KV pool: TPOT and output tokens/s
 at c=1 and c=N against plain decoding measured in the same run (runs interleaved), the
 acceptance rate (drafts accepted / drafted), tokens per verify step, and whether the greedy
-tokens equal plain decoding's. At c=1 every step is a draft step or a verify step; their
-measured costs ``d`` and ``v`` give the time per token a round of K drafts implies whatever the
-weights: ``((K + 1) d + v) / (K + 1)`` when every draft is accepted (K + 1 tokens per round),
-``(K + 1) d + v`` when none is (one token).
+tokens equal plain decoding's. Then, per (E, K), whole rounds of one request are timed step by
+step: the measured costs of a draft step ``d`` and of a verify step of K + 1 rows ``v`` give
+the time per token a round implies whatever the weights: ``((K + 1) d + v) / (K + 1)`` when
+every draft is accepted (K + 1 tokens per round), ``(K + 1) d + v`` when none is (one token).
 
 Prompts are held-out text of the trained checkpoint's corpus (``runtime_glue.ouro.corpus``),
 so that a trained checkpoint shows its real acceptance.
@@ -42,8 +42,8 @@ def text_prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
 
 
 def _timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
-    """Every prompt at once through ``llm``'s engine: TPOT (per request, median), tok/s, the
-    tokens, and at c=1 the wall time of each draft step and verify step."""
+    """Every prompt at once through ``llm``'s engine: TPOT (per request, median), tok/s and
+    the tokens."""
     eng = llm.engine
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     reqs = []
@@ -51,16 +51,9 @@ def _timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
         eng.add_request(f"spec-bench-{i}", p, params)
         reqs.append(eng.requests[f"spec-bench-{i}"])
     done: dict[str, float] = {}
-    steps: dict[str, list[float]] = {"draft": [], "verify": []}
     start = time.perf_counter()
     while eng.has_unfinished():
-        kinds = {k for r in eng.running if (k := _kind(eng, r)) is not None}
-        t0 = time.perf_counter()
-        outs = eng.step()
-        t1 = time.perf_counter()
-        if len(prompts) == 1 and len(kinds) == 1:
-            steps[kinds.pop()].append(t1 - t0)
-        for out in outs:
+        for out in eng.step():
             if out.finished:
                 done[out.request_id] = time.monotonic()
     wall = time.perf_counter() - start
@@ -73,15 +66,28 @@ def _timed_run(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
         "tpot": statistics.median(tpot),
         "tok_s": output_len * len(prompts) / wall,
         "tokens": [list(r.output_ids) for r in reqs],
-        "steps": steps,
     }
 
 
-def _kind(eng, req) -> str | None:
-    if eng.speculator is None or req.in_prefill:
-        return None
-    entry = eng.speculator.entry(req)
-    return None if entry is None else entry.kind
+def round_costs(llm: LLM, prompt: list[int], rounds: int) -> dict[str, list[float]]:
+    """Wall time of every draft step and verify step of ``rounds`` whole rounds of one
+    request (after its prefill), whatever they accept."""
+    eng, spec = llm.engine, llm.engine.speculator
+    assert spec is not None
+    longest = rounds * (spec.config.tokens + 1) + spec.config.tokens + 2
+    eng.add_request("spec-bench-round", prompt, SamplingParams(max_tokens=longest, ignore_eos=True))
+    req = eng.requests["spec-bench-round"]
+    steps: dict[str, list[float]] = {"draft": [], "verify": []}
+    while req.in_prefill or not req.output_ids:
+        eng.step()
+    while len(steps["verify"]) < rounds:
+        entry = spec.entry(req)
+        assert entry is not None and req.spec is not None and req.spec.k == spec.config.tokens
+        start = time.perf_counter()
+        eng.step()
+        steps[entry.kind].append(time.perf_counter() - start)
+    eng.abort_request("spec-bench-round")
+    return steps
 
 
 def speculative(
@@ -101,6 +107,7 @@ def speculative(
     variants = {(e, k): llm.with_speculation(e, k) for e in loops for k in tokens}
     for batch in levels.values():  # warm-up: first calls pay for allocation
         _timed_run(plain, batch, 2)
+    costs = {key: round_costs(v, prompts[0], rounds=max(runs, 2)) for key, v in variants.items()}
     samples: dict = {lv: {key: [] for key in ["plain", *variants]} for lv in levels}
     for _ in range(runs):
         for lv, batch in levels.items():
@@ -110,14 +117,14 @@ def speculative(
                 got = _timed_run(v, batch, output_len)
                 got["stats"] = {k: v.engine.stats[k] - before[k] for k in before}
                 samples[lv][key].append(got)
-    return _report(llm, plain, variants, samples, input_len, output_len, runs)
+    return _report(llm, plain, variants, samples, costs, input_len, output_len, runs)
 
 
 def _med(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _report(llm, plain, variants, samples, input_len, output_len, runs) -> dict:
+def _report(llm, plain, variants, samples, costs, input_len, output_len, runs) -> dict:
     report: dict = {
         "machine": machine(),
         "device": llm.driver.label,
@@ -152,8 +159,7 @@ def _report(llm, plain, variants, samples, input_len, output_len, runs) -> dict:
                     s["tokens"] == b["tokens"] for s, b in zip(got, by["plain"], strict=True)
                 ),
             }
-            d = _med([t for s in got for t in s["steps"]["draft"]])
-            v = _med([t for s in got for t in s["steps"]["verify"]])
+            d, v = _med(costs[(e, k)]["draft"]), _med(costs[(e, k)]["verify"])
             if d is not None and v is not None:
                 round_s = (k + 1) * d + v
                 row.update(
