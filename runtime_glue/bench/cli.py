@@ -186,7 +186,8 @@ def cmd_adaptive(args) -> int:
 def cmd_speculative(args) -> int:
     from runtime_glue.bench.speculative_bench import markdown_speculative, speculative
 
-    llm = _llm(args, _load_tokens(args) + args.concurrency * max(args.tokens_grid))
+    most = max(args.tokens_grid)  # and the rounds timed one by one (speculative_bench)
+    llm = _llm(args, _load_tokens(args) + args.concurrency * most + 4 * (most + 1) + args.input_len)
     report = speculative(
         llm,
         args.loops_grid,

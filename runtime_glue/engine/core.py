@@ -262,7 +262,7 @@ class Engine:
                 plan.append((req, n))
                 budget -= n
         if self.stats["preemptions"] != preemptions:
-            return plan  # the pool ran dry: admit no one this step
+            return self._ordered(plan)  # the pool ran dry: admit no one this step
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             req = self.waiting[0]
             if not self._admit(req):
@@ -272,12 +272,14 @@ class Engine:
                 break
             plan.append((req, n))
             budget -= n
+        return self._ordered(plan)
+
+    def _ordered(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         # Prompt positions first: the execution plan may run them on other kernels than
         # generated positions (runtime_glue.ouro.plan), and a step's prompt rows form one block.
         # Drafting and verifying rows follow (runtime_glue.ouro.loops).
         plan = [(r, n) for r, n in plan if r.status is Status.RUNNING]
-        plan.sort(key=lambda entry: Speculator.order(entry[0], self._entry(entry[0])))
-        return plan
+        return sorted(plan, key=lambda entry: Speculator.order(entry[0], self._entry(entry[0])))
 
     def _entry(self, req: Request) -> Entry | None:
         """The rows ``req`` drafts or verifies next; None for an ordinary step."""

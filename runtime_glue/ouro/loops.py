@@ -104,7 +104,10 @@ def forward(model: OuroModel, step: StepInputs, rows: LoopRows) -> LoopOutputs:
     h = run_loops(model, range(E), h, cos[:, : A + D], sin[:, : A + D], early_meta, ops, early)
 
     verify_hs: list[torch.Tensor] = [rows.verify_states[:, t] for t in range(E)]
-    verify_gates = [] if rows.verify_gates is None else [rows.verify_gates[:, t] for t in range(E)]
+    kept_gates = rows.verify_gates  # None: no verify row (or no gated request)
+    if kept_gates is None:
+        kept_gates = rows.verify_states.new_empty(rows.verify_states.shape[0], E)
+    verify_gates = [kept_gates[:, t] for t in range(E)]
 
     def late(t: int, h: torch.Tensor) -> None:
         normal_hs.append(h.index_select(0, picked))
