@@ -44,13 +44,34 @@ def test_top_k_one_is_greedy(llm):
 
 def test_top_k_and_top_p_only_draw_from_the_kept_tokens():
     logits = torch.tensor([5.0, 4.0, 3.0, 0.0, -1.0])
-    gen = torch.Generator().manual_seed(0)
-    draws = {sample(logits, SamplingParams(temperature=5.0, top_k=2), gen) for _ in range(200)}
+    top_k = SamplingParams(temperature=5.0, top_k=2)
+    draws = {sample(logits, top_k, seed=0, position=p) for p in range(200)}
     assert draws == {0, 1}
     probs = torch.softmax(logits, -1)  # 0.66, 0.24, 0.09, ...: top_p 0.8 keeps two tokens
     assert probs[0] < 0.8 < probs[0] + probs[1]
-    draws = {sample(logits, SamplingParams(temperature=1.0, top_p=0.8), gen) for _ in range(300)}
+    top_p = SamplingParams(temperature=1.0, top_p=0.8)
+    draws = {sample(logits, top_p, seed=1, position=p) for p in range(300)}
     assert draws == {0, 1}
+
+
+def test_a_sampled_token_is_a_function_of_its_logits_seed_and_position():
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0)
+    first = [sample(logits, params, seed=5, position=p) for p in range(50)]
+    assert first == [sample(logits, params, seed=5, position=p) for p in range(50)]
+    assert first != [sample(logits, params, seed=6, position=p) for p in range(50)]
+    assert len(set(first)) > 10  # positions draw independently
+
+
+def test_gumbel_max_draws_follow_the_softmax():
+    """Across positions, a token's frequency is its probability (2000 seeded draws; the
+    bound is about five standard deviations)."""
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    probs = torch.softmax(logits, -1)
+    params = SamplingParams(temperature=1.0)
+    draws = torch.tensor([sample(logits, params, seed=3, position=p) for p in range(2000)])
+    freq = torch.bincount(draws, minlength=4).float() / 2000
+    assert (freq - probs).abs().max() < 0.05
 
 
 def test_generation_stops_at_the_first_eos_unless_told_to_ignore_it(llm):

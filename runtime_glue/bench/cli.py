@@ -68,6 +68,13 @@ def add_parsers(sub) -> None:
     gr.add_argument("--output-len", type=int, default=16)
     gr.add_argument("--runs", type=int, default=3)
     gr.set_defaults(func=cmd_graphs)
+    sp = kinds.add_parser(
+        "speculative", help="self-speculative decoding (drafts from early loops) vs plain"
+    )
+    _load_args(sp, output_len=32)
+    sp.add_argument("--loops-grid", type=_ints, default=[1, 2], help="values of E")
+    sp.add_argument("--tokens-grid", type=_ints, default=[2, 4, 8], help="values of K")
+    sp.set_defaults(func=cmd_speculative)
     dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
     EngineArgs.add_cli_args(dt, fields=("model", "preset"))
     dt.add_argument("--lengths", type=_ints, default=[100, 500, 1000, 2000])
@@ -208,6 +215,23 @@ def cmd_graphs(args) -> int:
     graphs = _llm(args, tokens, step_graphs=True)
     report = compare(eager, graphs, args.batches, args.input_len, args.output_len, args.runs)
     return _emit_model(args, report, markdown_graphs(report))
+
+
+def cmd_speculative(args) -> int:
+    from runtime_glue.bench.speculative_bench import markdown_speculative, speculative
+
+    most = max(args.tokens_grid)  # and the rounds timed one by one (speculative_bench)
+    llm = _llm(args, _load_tokens(args) + args.concurrency * most + 4 * (most + 1) + args.input_len)
+    report = speculative(
+        llm,
+        args.loops_grid,
+        args.tokens_grid,
+        args.input_len,
+        args.output_len,
+        args.runs,
+        args.concurrency,
+    )
+    return _emit_model(args, report, markdown_speculative(report))
 
 
 def cmd_detokenize(args) -> int:

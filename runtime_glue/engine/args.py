@@ -174,6 +174,21 @@ class EngineArgs:
         action="store_true",
     )
 
+    # Speculative decoding (runtime_glue.engine.speculative): exact, from the model's own loops.
+    speculative_loops: int | None = cli_field(
+        None,
+        "draft with the first E loops and verify with the rest, exactly (E in 1 .. loops - 1; "
+        "default: off)",
+        type=int,
+        metavar="E",
+    )
+    num_speculative_tokens: int | None = cli_field(
+        None,
+        "tokens drafted per verify step with --speculative-loops (default: 4)",
+        type=int,
+        metavar="K",
+    )
+
     EXCLUSIVE = (("model", "preset"), ("num_blocks", "kv_cache_memory"))
 
     @classmethod

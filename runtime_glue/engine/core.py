@@ -14,6 +14,9 @@ deterministic mode it then produces exactly the tokens it would have).
 Under ``--kv-sharing last`` (``runtime_glue.engine.shared_blocks``) a request's prompt takes
 prompt blocks and its generated positions take generated blocks, T to a physical block; the
 same rules hold for both kinds.
+
+With speculative decoding on, a decoding request drafts and verifies
+(``runtime_glue.engine.speculative``) in the same steps as every other request.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampling import SamplingParams, sample
 from runtime_glue.engine.shared_blocks import SharedBlocks
+from runtime_glue.engine.speculative import (
+    MAX_SPECULATIVE_TOKENS,
+    Entry,
+    SpeculativeConfig,
+    Speculator,
+)
+from runtime_glue.ouro import loops
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel, StepInputs
 
@@ -84,12 +94,14 @@ class Engine:
         prefix_salt: bytes = b"",
         step_graphs: StepGraphs | None = None,
         shared_blocks: SharedBlocks | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """``prefix_salt``: what besides the tokens decides a block's K/V (the checkpoint, the
         execution plan); prefix-cache hashes start from it, so engines sharing one allocator
         under other plans never share a block. ``step_graphs``: capture decode-only steps
         and replay them (``runtime_glue.engine.graphs``). ``shared_blocks``: the generated
-        blocks under kv sharing (made here from ``allocator`` when not given)."""
+        blocks under kv sharing (made here from ``allocator`` when not given).
+        ``speculative``: draft with the first loops."""
         self.model = model
         self.prefix_salt = prefix_salt
         self.device = device
@@ -121,6 +133,17 @@ class Engine:
             "prefix_cache_queries": 0,  # prompt tokens looked up in the prefix cache
             "prefix_cache_hits": 0,  # of those, tokens found there
         }
+        self.speculator: Speculator | None = None
+        if speculative is not None:
+            speculative.check(model.cfg.total_ut_steps, model.plan.adaptive_depth)
+            if speculative.tokens >= self.config.max_num_batched_tokens:
+                raise ValueError(
+                    f"num_speculative_tokens ({speculative.tokens}) must be below "
+                    f"max_num_batched_tokens ({self.config.max_num_batched_tokens}): a verify "
+                    "step computes num_speculative_tokens + 1 rows"
+                )
+            self.speculator = Speculator(speculative, model.cfg.total_ut_steps)
+            self.stats.update(self.speculator.stats)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -142,6 +165,8 @@ class Engine:
                 f"got {params.exit_at_step}",
                 "exit_at_step",
             )
+        if params.num_speculative_tokens:
+            self._validate_speculation(params.num_speculative_tokens)
         vocab = self.model.cfg.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -183,6 +208,20 @@ class Engine:
                 "prompt",
             )
 
+    def _validate_speculation(self, k: int) -> None:
+        if self.speculator is None:
+            raise InvalidRequest(
+                "num_speculative_tokens needs an engine started with --speculative-loops",
+                "num_speculative_tokens",
+            )
+        most = min(MAX_SPECULATIVE_TOKENS, self.config.max_num_batched_tokens - 1)
+        if k > most:
+            raise InvalidRequest(
+                f"num_speculative_tokens must be in [0, {most}] (a verify step computes k + 1 "
+                f"rows, within max_num_batched_tokens), got {k}",
+                "num_speculative_tokens",
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -202,8 +241,7 @@ class Engine:
             arrival_time=time.monotonic(),
         )
         if not params.greedy:
-            seed = params.seed if params.seed is not None else secrets.randbits(62)
-            req.generator = torch.Generator().manual_seed(seed)
+            req.seed = params.seed if params.seed is not None else secrets.randbits(62)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         if self.config.enable_prefix_caching:
@@ -256,12 +294,14 @@ class Engine:
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted for an older request in this loop
-            n = self._chunk(req, budget)
-            if n and self._pages_for(req, req.num_computed + n):
+            entry = self._entry(req)
+            n = self._chunk(req, budget) if entry is None else entry.n * (entry.n <= budget)
+            start = req.num_computed if entry is None else entry.ctx
+            if n and self._pages_for(req, start + n):
                 plan.append((req, n))
                 budget -= n
         if self.stats["preemptions"] != preemptions:
-            return plan  # the pool ran dry: admit no one this step
+            return self._ordered(plan)  # the pool ran dry: admit no one this step
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             req = self.waiting[0]
             if not self._admit(req):
@@ -271,11 +311,18 @@ class Engine:
                 break
             plan.append((req, n))
             budget -= n
+        return self._ordered(plan)
+
+    def _ordered(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         # Prompt positions first: the execution plan may run them on other kernels than
         # generated positions (runtime_glue.ouro.plan), and a step's prompt rows form one block.
+        # Drafting and verifying rows follow (runtime_glue.ouro.loops).
         plan = [(r, n) for r, n in plan if r.status is Status.RUNNING]
-        plan.sort(key=lambda entry: not entry[0].in_prefill)
-        return plan
+        return sorted(plan, key=lambda entry: Speculator.order(entry[0], self._entry(entry[0])))
+
+    def _entry(self, req: Request) -> Entry | None:
+        """The rows ``req`` drafts or verifies next; None for an ordinary step."""
+        return None if self.speculator is None else self.speculator.entry(req)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """How many of ``req``'s pending tokens this step computes (0: none fits). A chunk
@@ -345,6 +392,7 @@ class Engine:
         self.running.remove(req)
         self._release(req)
         req.num_computed, req.registered = 0, 0
+        req.spec = None  # its drafts go; it is recomputed from its verified tokens
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.stats["preemptions"] += 1
@@ -392,28 +440,35 @@ class Engine:
             self.allocator.register(req.blocks[i], req.block_hashes[i])
         req.registered = max(req.registered, full * bs)
 
-    def _build_step(self, plan: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
-        """The step's inputs, built on the host and moved to the device in one copy."""
+    def _build_step(self, plan: list[tuple[Request, int]]):
+        """The step's inputs, built on the host and moved to the device in one copy; the
+        request of each sampled row and the position of the token it samples; the step's row
+        groups when some request drafts or verifies (else None)."""
         requests: list = []
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
         sampled: list[Request] = []
+        token_positions: list[int] = []
+        entries: list[tuple[Request, Entry | None, int]] = []
         start = prompt_rows = prompt_samples = 0
         for req, n in plan:
-            ctx = req.num_computed
+            entry = self._entry(req)
+            entries.append((req, entry, n))
+            ctx = req.num_computed if entry is None else entry.ctx
             if self.shared is None:
                 requests.append((n, ctx, req.blocks))
-            else:
+            else:  # no speculation under sharing (EngineArgs.check_combinations)
                 requests.append((n, ctx, req.blocks, len(req.prompt_ids), req.gen_blocks))
-            ids += req.tokens(ctx, ctx + n)
+            ids += req.tokens(ctx, ctx + n) if entry is None else entry.ids
             positions += range(ctx, ctx + n)
             if req.in_prefill:
                 prompt_rows += n
-            if ctx + n == req.num_tokens:
-                rows.append(start + n - 1)
+            for offset in self._samples(req, entry, n):
+                rows.append(start + offset)
                 prompt_samples += req.in_prefill
                 sampled.append(req)
+                token_positions.append(ctx + offset + 1)
             start += n
         bs = self.allocator.block_size
         slots = self.allocator.num_blocks * bs
@@ -439,7 +494,18 @@ class Engine:
             tuple(r.exit_mode for r in sampled),
             tuple(rows),
         )
-        return inputs, sampled
+        groups = None
+        if self.speculator is not None:
+            normal = sum(len(self._samples(r, e, n)) for r, e, n in entries if e is None)
+            groups = self.speculator.loop_rows(entries, normal, self.model.lm_head)
+        return inputs, sampled, token_positions, groups
+
+    @staticmethod
+    def _samples(req: Request, entry: Entry | None, n: int) -> tuple[int, ...]:
+        """Which of the ``n`` rows ``req`` runs this step are sampled (offsets)."""
+        if entry is not None:
+            return entry.samples
+        return (n - 1,) if req.num_computed + n == req.num_tokens else ()
 
     # -- the step --------------------------------------------------------------------------
 
@@ -452,13 +518,21 @@ class Engine:
         try:
             graphed = self.graphs.run(plan) if self.graphs is not None else None
             if graphed is None:
-                inputs, sampled = self._build_step(plan)
-                logits, exits = self.model.forward(inputs)  # [R, vocab], [R] on the device
+                inputs, sampled, token_positions, groups = self._build_step(plan)
+                spec_out = None if groups is None else loops.forward(self.model, inputs, groups)
+                if spec_out is None:
+                    logits, exits = self.model.forward(inputs)  # [R, vocab], [R] on the device
+                else:
+                    logits, exits = spec_out.logits, spec_out.chosen
                 picks = packed = None
             else:  # a replayed graph, whose outputs hold the picks and packed logits too
                 sampled, logits, exits, picks, packed = graphed
+                token_positions = [r.num_tokens for r in sampled]  # each its next token's
+                spec_out = None  # no speculation under graphs (llm.speculative_config)
             fence = self.device.record_fence()
-            tokens, exit_steps, host_logits = self._sample(logits, exits, sampled, picks, packed)
+            tokens, exit_steps, host_logits = self._sample(
+                logits, exits, sampled, token_positions, picks, packed
+            )
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("step %d failed", self.num_steps)
             self.device.synchronize()  # nothing of the step may still be using its pages
@@ -467,36 +541,72 @@ class Engine:
                 self.stats["failed"] += 1
             return [self._output(req, ()) for req, _ in plan]
         self.num_steps += 1
+        outputs, i, drafts = [], 0, 0
         for req, n in plan:
-            req.num_computed += n
+            entry = self._entry(req)
             req.last_fence = fence
-            self._register_full_prompt_blocks(req)
-        outputs = []
-        for i, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
+            mine = list(range(i, i + len(self._samples(req, entry, n))))
+            i += len(mine)
+            if entry is None:
+                req.num_computed += n
+                self._register_full_prompt_blocks(req)
+            elif entry.kind == "draft":
+                assert self.speculator is not None and spec_out is not None
+                gates = None if spec_out.draft_gates is None else spec_out.draft_gates[drafts]
+                state = spec_out.draft_states[drafts]
+                self.speculator.drafted(req, [tokens[j] for j in mine], state, gates)
+                drafts += 1
+                continue
+            else:
+                assert self.speculator is not None
+                accepted = self.speculator.verified(req, [tokens[j] for j in mine])
+                mine = mine[: len(accepted)]
+                req.num_computed += len(accepted)
+                keep = self.allocator.blocks_for(req.num_tokens + len(accepted))
+                if len(req.blocks) > keep:  # pages that held rejected drafts only
+                    self.allocator.free_after(req.blocks[keep:], fence)
+                    req.blocks = req.blocks[:keep]
+            if mine:
+                outputs.append(self._emit(req, mine, tokens, exit_steps, host_logits))
+        self._sync_spec_stats()
+        return outputs
+
+    def _emit(self, req: Request, rows: list[int], tokens, exit_steps, host_logits):
+        """Append the tokens of ``rows`` to ``req``'s output until it finishes."""
+        new = []
+        for j in rows:
+            token = tokens[j]
             if req.return_logits:
                 assert host_logits is not None
-                req.logits.append(host_logits[i].clone())
+                req.logits.append(host_logits[j].clone())
             req.output_ids.append(token)
-            req.exit_steps.append(exit_steps[i])
+            req.exit_steps.append(exit_steps[j])
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             self.stats["generated_tokens"] += 1
+            new.append(token)
             self._check_stop(req, token)
-            outputs.append(self._output(req, (token,)))
-        return outputs
+            if req.finished:
+                break
+        return self._output(req, tuple(new))
+
+    def _sync_spec_stats(self) -> None:
+        if self.speculator is not None:
+            self.stats.update(self.speculator.stats)
 
     def _sample(
         self,
         logits: torch.Tensor,
         exits: torch.Tensor,
         sampled: list[Request],
+        positions: list[int],
         picks: torch.Tensor | None = None,
         packed: torch.Tensor | None = None,
     ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """The step's tokens and exit loops, with the step's one device-to-host transfer: the
         greedy picks (argmax on the device) when that is all the step needs, else the logits
-        (float32), sampled on the host with each request's own generator. ``picks`` and
-        ``packed``: both already computed on the device (by a step graph)."""
+        (float32), sampled on the host by each request's seed and the token's position.
+        ``picks`` and ``packed``: both already computed on the device (by a step graph)."""
         if not any(r.return_logits or not r.params.greedy for r in sampled):
             if picks is None:
                 picks = torch.stack((logits.argmax(-1), exits))
@@ -506,7 +616,7 @@ class Engine:
             packed = torch.cat((logits.float(), exits[:, None].float()), 1)
         packed = self.device.to_host(packed)
         host, steps = packed[:, :-1], [int(s) for s in packed[:, -1].tolist()]
-        tokens = [sample(host[i], r.params, r.generator) for i, r in enumerate(sampled)]
+        tokens = [sample(host[i], r.params, r.seed, positions[i]) for i, r in enumerate(sampled)]
         return tokens, steps, host
 
     def _check_stop(self, req: Request, token: int) -> None:

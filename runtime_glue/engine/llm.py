@@ -18,6 +18,7 @@ from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.shared_blocks import SharedBlocks
+from runtime_glue.engine.speculative import SpeculativeConfig
 from runtime_glue.engine.tokenizer import load_tokenizer
 from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
@@ -28,6 +29,29 @@ from runtime_glue.ouro.resolve import resolve
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+def speculative_config(args: EngineArgs, cfg: OuroConfig) -> SpeculativeConfig | None:
+    """The speculative-decoding options of ``args``, checked; None when off."""
+    if args.speculative_loops is None:
+        if args.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens needs speculative_loops (--speculative-loops)")
+        return None
+    refused = {
+        "--kv-sharing last": args.kv_sharing == "last",  # a verify step computes k generated rows
+        "--step-graphs": args.step_graphs,  # drafting and verifying steps are not captured
+        "--mode fast": args.mode == "fast",  # the fused loop does not run loop ranges
+    }
+    for flag, on in refused.items():
+        if on:
+            raise ValueError(f"--speculative-loops cannot be combined with {flag}")
+    tokens = args.num_speculative_tokens
+    spec = SpeculativeConfig(
+        args.speculative_loops, DEFAULT_SPECULATIVE_TOKENS if tokens is None else tokens
+    )
+    spec.check(cfg.total_ut_steps, args.adaptive_depth)
+    return spec
 
 
 @attrs.frozen
@@ -105,6 +129,7 @@ class LLM:
         self.args = args
         self.model_dir = args.model_dir()
         self.config = OuroConfig.from_dir(self.model_dir)
+        self.speculative = speculative_config(args, self.config)  # refused before loading
         self.tokenizer = load_tokenizer(self.model_dir)
         registry = registry or default_registry()
         self.driver = registry.create(args.device, **(driver_options or {}))
@@ -175,7 +200,10 @@ class LLM:
             prefix_salt=f"{self.model_dir.resolve()}|{plan.describe()}".encode(),
             step_graphs=graphs,
             shared_blocks=self.shared_blocks,
+            speculative=self.speculative,
         )
+        if self.speculative is not None:
+            logger.info("%s", self.speculative.describe(self.config.total_ut_steps))
 
     def variant(
         self,
@@ -204,6 +232,16 @@ class LLM:
             block_size=self.args.block_size,
         )
         other._build(plan)
+        return other
+
+    def with_speculation(self, loops: int | None, tokens: int | None = None) -> LLM:
+        """The same weights, plan and KV pool with speculative decoding from the first
+        ``loops`` loops (None: off); ``tokens`` drafts per verify (default 4). Run one of the
+        two at a time, as with :meth:`variant`."""
+        other = copy.copy(self)
+        args = attrs.evolve(self.args, speculative_loops=loops, num_speculative_tokens=tokens)
+        other.speculative = speculative_config(args, self.config)
+        other._build(self.plan)
         return other
 
     @property
@@ -292,8 +330,11 @@ def build_llm(
     llm = LLM.from_engine_args(args, progress=progress, **options)
     if announce:
         caching = "on" if llm.engine.config.enable_prefix_caching else "off"
+        spec = llm.speculative
+        spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
         print(
-            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}", file=sys.stderr
+            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}",
+            file=sys.stderr,
         )
         print(llm.kv_summary, file=sys.stderr)
     return llm

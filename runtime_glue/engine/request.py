@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -11,6 +12,9 @@ from hal.interfaces import Fence
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.ouro.exits import ExitMode
+
+if TYPE_CHECKING:
+    from runtime_glue.engine.speculative import SpecRound
 
 
 class Status(enum.Enum):
@@ -38,10 +42,11 @@ class Request:
     error: str | None = None
     text: str = ""
     logits: list[torch.Tensor] = attrs.field(factory=list)
-    generator: torch.Generator | None = None
+    seed: int = 0  # sampled tokens are a function of (logits, seed, position)
     detokenizer: IncrementalDetokenizer | None = None
     exit_mode: ExitMode = attrs.field(factory=ExitMode)
     exit_steps: list[int] = attrs.field(factory=list)  # the loop each output token came from
+    spec: SpecRound | None = None  # a speculative round in progress (engine.speculative)
     last_fence: Fence | None = None  # of the last step that read this request's pages
     arrival_time: float = 0.0
     first_token_time: float | None = None

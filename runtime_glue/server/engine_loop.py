@@ -158,3 +158,7 @@ class EngineLoop:
         generated = eng.shared.num_in_use if eng.shared is not None else 0
         self.metrics.blocks_in_use.labels("generated").set(generated)
         self.metrics.sync_counters(eng.stats)
+        while eng.speculator is not None and eng.speculator.accepted_per_verify:
+            self.metrics.spec_accepted_per_verify.observe(
+                eng.speculator.accepted_per_verify.popleft()
+            )

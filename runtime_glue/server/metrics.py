@@ -16,6 +16,12 @@ from prometheus_client import (
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 END_STATES = ("stop", "length", "abort", "error")
+SPEC_COUNTERS = {  # zero unless the server runs with --speculative-loops
+    "spec_drafted": "Tokens drafted by speculative decoding (the first loops' choices)",
+    "spec_accepted": "Drafted tokens the full depth accepted",
+    "spec_verify_steps": "Verify steps of speculative decoding (one per round of drafts)",
+}
+SPEC_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 63.0)
 
 
 class Metrics:
@@ -77,6 +83,8 @@ class Metrics:
                 registry=reg,
             ),
         }
+        for name, help in SPEC_COUNTERS.items():
+            self.engine_counters[name] = Counter(f"rlt_hal_{name}", help, registry=reg)
         self._seen = dict.fromkeys(self.engine_counters, 0)
         total = Gauge("rlt_hal_kv_total_blocks", "KV cache blocks in the pool", registry=reg)
         total.set(total_blocks)
@@ -101,11 +109,19 @@ class Metrics:
             registry=reg,
         )
 
+        self.spec_accepted_per_verify = Histogram(
+            "rlt_hal_spec_accepted_per_verify",
+            "Drafts accepted by each verify step of speculative decoding (the acceptance "
+            "histogram; a verify step also gives one full-depth token after them)",
+            buckets=SPEC_BUCKETS,
+            registry=reg,
+        )
+
     def sync_counters(self, stats: dict[str, int]) -> None:
         """Advance the mirrored counters to the engine's totals."""
         for name, counter in self.engine_counters.items():
-            counter.inc(stats[name] - self._seen[name])
-            self._seen[name] = stats[name]
+            counter.inc(stats.get(name, 0) - self._seen[name])
+            self._seen[name] = stats.get(name, 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -59,6 +59,9 @@ class _SamplingFields(BaseModel):
     exit_threshold: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     weighted_exit: bool = False
     return_exit_steps: bool = False
+    # Speculative decoding (runtime_glue.engine.speculative): drafts per verify step for this
+    # request, 0 for none; needs a server started with --speculative-loops.
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=63)] | None = None
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     stream: bool = False
@@ -100,6 +103,7 @@ class _SamplingFields(BaseModel):
             exit_threshold=self.exit_threshold,
             weighted_exit=self.weighted_exit,
             cache_salt=self.cache_salt,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 

@@ -1,0 +1,200 @@
+"""Exact self-speculative decoding: Ouro's first E loops draft, its last T - E loops verify.
+
+A request whose prompt is done and whose K/V is complete up to its last token (position
+``c = num_tokens - 1`` pending) runs a *round* of k = min(K, tokens left - 1) drafts:
+
+- k + 1 **draft steps**: step j runs position ``c + j`` through loops 0 .. E-1 only (its
+  token: the last verified one for j = 0, else draft j), writing those loops' K/V and keeping
+  its state after loop E-1; steps j < k take loop E-1's choice as draft ``j + 1``.
+- one **verify step** runs loops E .. T-1 over the k + 1 positions ``c .. c + k``, from the
+  states the draft steps kept, writing those loops' K/V, and gives each position its
+  full-depth token ``y_1 .. y_{k+1}`` (the request's own exit rule over all T loops). It
+  accepts the longest prefix of drafts with ``draft_i == y_i``, plus the full-depth token
+  after it: ``y_1 .. y_{m+1}``, 1 to k + 1 tokens.
+
+Exactness. Positions ``c .. c + m`` were computed from verified tokens only, so their K/V in
+every plane and their full-depth logits are, in deterministic mode, bit for bit those of plain
+one-token decoding (a row's bits do not depend on what shares its step); the request's K/V is
+complete up to ``c + m`` and the next round starts at ``c + m + 1``. The K/V of rejected
+positions ``c + m + 1 ..`` is never read: attention is causal, and each later round writes a
+position's K/V before any row reads it. Pages past the last verified token are released.
+Seeded sampling draws a token as a function of (logits, seed, position)
+(``runtime_glue.engine.sampling``), and a draft is accepted iff it equals the full-depth
+sample at its position: seeded output is identical too. Without a seed the engine draws one
+per request, so the output is a sample of the target (full-depth) distribution, the same
+sequence plain decoding draws with that seed. In HF-exact mode a verify step is another call
+shape (k + 1 rows in one call where plain decoding issues one), so the bits are those of a
+batched call: logits agree within the tolerance batching already has, and tokens part only at
+a near-tie (docs/determinism.md).
+
+A preempted request drops its round; it is recomputed from its verified tokens as any other.
+Only prompt blocks enter the prefix cache, as without speculation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from runtime_glue.engine.request import Request
+from runtime_glue.ouro.loops import LoopRows
+
+MAX_SPECULATIVE_TOKENS = 63  # a verify step's rows fit one generated-row tile (64)
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    loops: int  # E: the draft runs loops 0 .. E-1
+    tokens: int  # K: drafts per round, unless a request asks for fewer (or none)
+
+    def check(self, total_loops: int, adaptive_depth: bool) -> None:
+        """Raise ValueError for a configuration speculation cannot keep exact."""
+        if adaptive_depth:
+            raise ValueError(
+                "--speculative-loops cannot be combined with --adaptive-depth: adaptive depth "
+                "changes the model's arithmetic, and speculation verifies against the full depth"
+            )
+        if not 1 <= self.loops <= total_loops - 1:
+            raise ValueError(
+                f"speculative_loops must be in [1, {total_loops - 1}] (the model runs "
+                f"{total_loops} loops; the draft needs at least one, the verify step too), "
+                f"got {self.loops}"
+            )
+        if not 1 <= self.tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.tokens}"
+            )
+
+    def describe(self, total_loops: int) -> str:
+        return (
+            f"speculative decoding on: {self.tokens} drafts from loops 0..{self.loops - 1}, "
+            f"verified by loops {self.loops}..{total_loops - 1}"
+        )
+
+
+@attrs.define(eq=False)
+class SpecRound:
+    """One request's round in progress: k drafts, then a verify step."""
+
+    k: int
+    drafts: list[int] = attrs.field(factory=list)
+    states: list[torch.Tensor] = attrs.field(factory=list)  # [E, H] of positions c, c+1, ...
+    gates: list[torch.Tensor | None] = attrs.field(factory=list)  # [E] each, when gated
+
+
+@attrs.frozen
+class Entry:
+    """A request's rows in a step: which kind, where they start, their tokens, which rows
+    are sampled (offsets within the entry)."""
+
+    kind: str  # "draft" or "verify"
+    ctx: int
+    ids: tuple[int, ...]
+    samples: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+
+class Speculator:
+    """The engine's speculative scheduling: which rows a request runs, and what a step's
+    results do to its round."""
+
+    def __init__(self, config: SpeculativeConfig, total_loops: int) -> None:
+        self.config = config
+        self.total_loops = total_loops
+        self.stats = {"spec_drafted": 0, "spec_accepted": 0, "spec_verify_steps": 0}
+        # Drafts accepted by each verify step, drained by the server's metrics (bounded when
+        # nothing drains them).
+        self.accepted_per_verify: deque[int] = deque(maxlen=1 << 16)
+
+    def k_of(self, req: Request) -> int:
+        own = req.params.num_speculative_tokens
+        return self.config.tokens if own is None else own
+
+    def entry(self, req: Request) -> Entry | None:
+        """The rows ``req`` runs next if it drafts or verifies; None for an ordinary step."""
+        last = len(req.prompt_ids) + len(req.output_ids) - 1
+        if req.spec is None:
+            k = min(self.k_of(req), req.params.max_tokens - len(req.output_ids) - 1)
+            if req.in_prefill or req.num_computed != last or k < 1:
+                return None
+            req.spec = SpecRound(k)
+        spec, c = req.spec, req.num_computed
+        j = len(spec.states)
+        token = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
+        if j <= spec.k:  # draft step j: position c + j
+            ids = (token,) if j == 0 else (spec.drafts[j - 1],)
+            return Entry("draft", c + j, ids, (0,) if j < spec.k else ())
+        return Entry("verify", c, (token, *spec.drafts), tuple(range(spec.k + 1)))
+
+    @staticmethod
+    def order(req: Request, entry: Entry | None) -> int:
+        """Row groups of a step: prompt rows, generated rows, draft rows, verify rows."""
+        if entry is None:
+            return 0 if req.in_prefill else 1
+        return 2 if entry.kind == "draft" else 3
+
+    def loop_rows(
+        self,
+        plan: Sequence[tuple[Request, Entry | None, int]],
+        normal_samples: int,
+        like: torch.Tensor,
+    ) -> LoopRows | None:
+        """The step's split into row groups (``runtime_glue.ouro.loops``), None if no request
+        drafts or verifies. ``plan``: (request, entry, rows) in step order; ``like``: a
+        ``[vocab, H]`` tensor of the model's device and dtype."""
+        drafts = [(r, e) for r, e, _ in plan if e is not None and e.kind == "draft"]
+        verifies = [(r, e) for r, e, _ in plan if e is not None and e.kind == "verify"]
+        if not drafts and not verifies:
+            return None
+        normal = [(r, n) for r, e, n in plan if e is None]
+        gated = any(r.exit_mode.kind in ("threshold", "weighted") for r, _, _ in plan)
+        states = [s for r, _ in verifies for s in r.spec.states]  # type: ignore[union-attr]
+        E = self.config.loops
+        verify_states = torch.stack(states) if states else like.new_empty(0, E, like.shape[1])
+        verify_gates = None
+        if gated and states:  # a request that exits by the last loop may have none: unused
+            kept = [g for r, _ in verifies for g in r.spec.gates]  # type: ignore[union-attr]
+            verify_gates = torch.stack([like.new_zeros(E) if g is None else g for g in kept])
+        return LoopRows(
+            E,
+            len(normal),
+            len(drafts),
+            sum(n for _, n in normal),
+            len(drafts),
+            normal_samples,
+            tuple(i for i, (_, e) in enumerate(drafts) if e.samples),
+            verify_states,
+            verify_gates,
+            gated,
+        )
+
+    def drafted(self, req: Request, tokens: list[int], state, gates) -> None:
+        """A draft step's results: the state of its position, and its draft if it took one."""
+        spec = req.spec
+        assert spec is not None
+        spec.states.append(state)
+        spec.gates.append(gates)
+        if tokens:
+            spec.drafts.append(tokens[0])
+            self.stats["spec_drafted"] += 1
+
+    def verified(self, req: Request, tokens: list[int]) -> list[int]:
+        """A verify step's full-depth tokens -> the tokens accepted: the longest prefix equal
+        to the drafts, plus the full-depth token after it. Ends the round."""
+        spec = req.spec
+        assert spec is not None and len(tokens) == spec.k + 1
+        m = 0
+        while m < spec.k and spec.drafts[m] == tokens[m]:
+            m += 1
+        req.spec = None
+        self.stats["spec_accepted"] += m
+        self.stats["spec_verify_steps"] += 1
+        self.accepted_per_verify.append(m)
+        return tokens[: m + 1]
