@@ -25,68 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
 import torch
 
 from hal.interfaces import KVStore
-from hal.types import AttentionMetadata, check_slot_mapping
+from hal.types import AttentionMetadata, SharedRegion, SharedRequest, check_slot_mapping
 
 KV_SHARING = ("none", "last")
-
-# (query_len, context_len, prompt block ids, prompt length, generated block ids)
-SharedRequest = tuple[int, int, Sequence[int], int, Sequence[int]]
 
 
 def check_kv_sharing(value: str) -> str:
     if value not in KV_SHARING:
         raise ValueError(f"kv_sharing must be one of {', '.join(KV_SHARING)}; got {value!r}")
     return value
-
-
-@attrs.frozen(eq=False)
-class SharedRegion:
-    """The per-step addressing of a step's requests under decode KV sharing (see the module
-    docstring). ``row_*`` are per row of the step (where its new K/V goes), ``kv_*`` per
-    position ``0 .. seq_len - 1`` of every request back to back (where it reads its keys
-    from); request ``r``'s positions are ``kv_start[r] : kv_start[r + 1]``."""
-
-    layers: int
-    loops: int
-    num_slots: int  # S, slots per plane
-    requests: tuple[SharedRequest, ...]  # what it was built from, on the host
-    kv_start: tuple[int, ...]  # [R + 1]
-    row_base: torch.Tensor  # [N] int64
-    row_prompt: torch.Tensor  # [N] int64, 1 for a prompt position, 0 for a generated one
-    kv_base: torch.Tensor  # [sum seq_len] int64
-    kv_prompt: torch.Tensor  # [sum seq_len] int64
-
-    def _at(self, base: torch.Tensor, prompt: torch.Tensor, plane: int) -> torch.Tensor:
-        t, li = divmod(plane, self.layers)
-        at = base + li * self.num_slots
-        return at if t == 0 else at + prompt * (t * self.layers * self.num_slots)
-
-    def write_addresses(self, plane: int) -> torch.Tensor:
-        """Where each row of the step writes its plane-``plane`` K/V (``[N]`` int64)."""
-        return self._at(self.row_base, self.row_prompt, plane)
-
-    def kv_addresses(self, plane: int) -> torch.Tensor:
-        """Every request's keys at ``plane``, back to back (``[sum seq_len]`` int64)."""
-        return self._at(self.kv_base, self.kv_prompt, plane)
-
-    def request_addresses(self, plane: int, r: int) -> torch.Tensor:
-        a, b = self.kv_start[r], self.kv_start[r + 1]
-        return self._at(self.kv_base[a:b], self.kv_prompt[a:b], plane)
-
-    def to(self, device: torch.device | str) -> SharedRegion:
-        if torch.device(device).type == "cpu":
-            return self
-        host = torch.cat((self.row_base, self.row_prompt, self.kv_base, self.kv_prompt))
-        flat = host.to(device)
-        n, m = self.row_base.numel(), self.kv_base.numel()
-        parts = flat.split((n, n, m, m))
-        return attrs.evolve(
-            self, row_base=parts[0], row_prompt=parts[1], kv_base=parts[2], kv_prompt=parts[3]
-        )
 
 
 def shared_address(shared_slot: int, layer: int, layers: int, num_slots: int) -> int:
@@ -192,10 +142,11 @@ def build_shared_metadata(
     )
 
 
-def select_shared(meta: AttentionMetadata, requests: Sequence[int]) -> AttentionMetadata:
-    """:meth:`AttentionMetadata.select` under sharing: rebuilt from the host copy."""
+def select_metadata(meta: AttentionMetadata, requests: Sequence[int]) -> AttentionMetadata:
+    """:meth:`AttentionMetadata.select`, also under sharing (rebuilt from the host copy)."""
     region = meta.shared
-    assert region is not None
+    if region is None:
+        return meta.select(requests)
     chosen = build_shared_metadata(
         meta.block_size,
         [region.requests[r] for r in requests],

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
-
-if TYPE_CHECKING:
-    from hal.shared_kv import SharedRegion
 
 
 @attrs.frozen
@@ -107,10 +103,8 @@ class AttentionMetadata:
 
     def select(self, requests: Sequence[int]) -> AttentionMetadata:
         """The metadata of some of the step's requests (their rows renumbered from 0)."""
-        if self.shared is not None:
-            from hal.shared_kv import select_shared
-
-            return select_shared(self, requests)
+        if self.shared is not None:  # hal.types depends on nothing else of the HAL
+            raise ValueError("under kv sharing, select with hal.shared_kv.select_metadata")
         device = self.block_tables.device
         rows: list[int] = []
         starts, ctx = [0], []
@@ -202,3 +196,53 @@ def check_slot_mapping(slots: Sequence[int], num_slots: int | None) -> None:
         )
     if len(set(slots)) != len(slots):
         raise IndexError("slot mapping writes one slot twice in a step")
+
+
+# (query_len, context_len, prompt block ids, prompt length, generated block ids)
+SharedRequest = tuple[int, int, Sequence[int], int, Sequence[int]]
+
+
+@attrs.frozen(eq=False)
+class SharedRegion:
+    """(``hal.shared_kv`` builds and reads it.) The per-step addressing of a step's requests under decode KV sharing (see the module
+    docstring). ``row_*`` are per row of the step (where its new K/V goes), ``kv_*`` per
+    position ``0 .. seq_len - 1`` of every request back to back (where it reads its keys
+    from); request ``r``'s positions are ``kv_start[r] : kv_start[r + 1]``."""
+
+    layers: int
+    loops: int
+    num_slots: int  # S, slots per plane
+    requests: tuple[SharedRequest, ...]  # what it was built from, on the host
+    kv_start: tuple[int, ...]  # [R + 1]
+    row_base: torch.Tensor  # [N] int64
+    row_prompt: torch.Tensor  # [N] int64, 1 for a prompt position, 0 for a generated one
+    kv_base: torch.Tensor  # [sum seq_len] int64
+    kv_prompt: torch.Tensor  # [sum seq_len] int64
+
+    def _at(self, base: torch.Tensor, prompt: torch.Tensor, plane: int) -> torch.Tensor:
+        t, li = divmod(plane, self.layers)
+        at = base + li * self.num_slots
+        return at if t == 0 else at + prompt * (t * self.layers * self.num_slots)
+
+    def write_addresses(self, plane: int) -> torch.Tensor:
+        """Where each row of the step writes its plane-``plane`` K/V (``[N]`` int64)."""
+        return self._at(self.row_base, self.row_prompt, plane)
+
+    def kv_addresses(self, plane: int) -> torch.Tensor:
+        """Every request's keys at ``plane``, back to back (``[sum seq_len]`` int64)."""
+        return self._at(self.kv_base, self.kv_prompt, plane)
+
+    def request_addresses(self, plane: int, r: int) -> torch.Tensor:
+        a, b = self.kv_start[r], self.kv_start[r + 1]
+        return self._at(self.kv_base[a:b], self.kv_prompt[a:b], plane)
+
+    def to(self, device: torch.device | str) -> SharedRegion:
+        if torch.device(device).type == "cpu":
+            return self
+        host = torch.cat((self.row_base, self.row_prompt, self.kv_base, self.kv_prompt))
+        flat = host.to(device)
+        n, m = self.row_base.numel(), self.kv_base.numel()
+        parts = flat.split((n, n, m, m))
+        return attrs.evolve(
+            self, row_base=parts[0], row_prompt=parts[1], kv_base=parts[2], kv_prompt=parts[3]
+        )

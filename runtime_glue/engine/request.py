@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -13,14 +12,22 @@ from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.ouro.exits import ExitMode
 
-if TYPE_CHECKING:
-    from runtime_glue.engine.speculative import SpecRound
-
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class SpecRound:
+    """One request's speculative round in progress (``runtime_glue.engine.speculative``): k
+    drafts, then a verify step."""
+
+    k: int
+    drafts: list[int] = attrs.field(factory=list)
+    states: list[torch.Tensor] = attrs.field(factory=list)  # [E, H] of positions c, c+1, ...
+    gates: list[torch.Tensor | None] = attrs.field(factory=list)  # [E] each, when gated
 
 
 @attrs.define(eq=False)

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from runtime_glue.engine.request import Request
+from runtime_glue.engine.request import Request, SpecRound
 from runtime_glue.ouro.loops import LoopRows
 
 MAX_SPECULATIVE_TOKENS = 63  # a verify step's rows fit one generated-row tile (64)
@@ -74,16 +74,6 @@ class SpeculativeConfig:
             f"speculative decoding on: {self.tokens} drafts from loops 0..{self.loops - 1}, "
             f"verified by loops {self.loops}..{total_loops - 1}"
         )
-
-
-@attrs.define(eq=False)
-class SpecRound:
-    """One request's round in progress: k drafts, then a verify step."""
-
-    k: int
-    drafts: list[int] = attrs.field(factory=list)
-    states: list[torch.Tensor] = attrs.field(factory=list)  # [E, H] of positions c, c+1, ...
-    gates: list[torch.Tensor | None] = attrs.field(factory=list)  # [E] each, when gated
 
 
 @attrs.frozen

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hal.interfaces import Driver, KVStore
-from hal.shared_kv import write_kv
+from hal.shared_kv import select_metadata, write_kv
 from hal.types import AttentionMetadata
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode, exit_pdf, threshold_steps
@@ -353,7 +353,12 @@ class Adaptive:
         requests = [q for q in range(meta.num_requests) if self.batch[starts[q]] not in gone]
         self.batch = [self.batch[i] for i in keep]
         index = torch.tensor(keep, dtype=torch.int64, device=h.device)
-        return h.index_select(0, index), cos[:, index], sin[:, index], meta.select(requests)
+        return (
+            h.index_select(0, index),
+            cos[:, index],
+            sin[:, index],
+            select_metadata(meta, requests),
+        )
 
     def _still_in(self) -> list[int]:
         return [r for r in self.exits if r not in self.exited]
