@@ -119,6 +119,7 @@ class StaticDecodeMetadata:
     gather_slots: torch.Tensor  # [B * W * block_size] int64: the slots each row reads
     masked: torch.Tensor  # [B, 1, 1, W * block_size] bool: positions past seq_lens
     static: ClassVar[bool] = True
+    shared: ClassVar[None] = None  # no kv sharing under graphs (EngineArgs.CONFLICTS)
 
     @classmethod
     def of(cls, block_size: int, slot_mapping, block_tables, seq_lens) -> StaticDecodeMetadata:
