@@ -20,7 +20,7 @@ check is never cached: a new driver, device or model is checked again.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -60,11 +60,26 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), -1)
 
 
+def _worst(verdicts: Iterable[Admission]) -> Admission:
+    """The first refusal among ``verdicts`` (the rest are not computed), else the largest error."""
+    worst: Admission | None = None
+    for v in verdicts:
+        if worst is None or not v.admitted or (v.error or 0) > (worst.error or 0):
+            worst = v
+        if not v.admitted:
+            break
+    assert worst is not None
+    return worst
+
+
 def _check_kernel(op: str, kernel: Kernel, cfg: OuroConfig, weights, device) -> Admission:
     gen = torch.Generator().manual_seed(17 + FUSED_OPS.index(op))
-    H, eps = cfg.hidden_size, cfg.rms_norm_eps
     gamma = weights["model.layers.0.post_attention_layernorm.weight"]
-    worst: Admission | None = None
+    return _worst(_kernel_verdicts(op, kernel, cfg, gamma, gen, device))
+
+
+def _kernel_verdicts(op: str, kernel: Kernel, cfg: OuroConfig, gamma, gen, device):
+    H, eps = cfg.hidden_size, cfg.rms_norm_eps
     for rows in ROWS:
         if op == "rms_norm":
             x = _rand(rows, H, gen=gen, scale=3.0).to(device)
@@ -89,12 +104,7 @@ def _check_kernel(op: str, kernel: Kernel, cfg: OuroConfig, weights, device) -> 
             v = _verdict(op, kernel.name, got, exact, exact.abs() * 2.0**-7, "2^-7 relative")
         else:
             v = _check_rotary(kernel, cfg, rows, gen, device)
-        if worst is None or not v.admitted or (v.error or 0) > (worst.error or 0):
-            worst = v
-        if not v.admitted:
-            break
-    assert worst is not None
-    return worst
+        yield v
 
 
 def _check_rotary(kernel: Kernel, cfg: OuroConfig, rows: int, gen, device) -> Admission:
@@ -107,18 +117,16 @@ def _check_rotary(kernel: Kernel, cfg: OuroConfig, rows: int, gen, device) -> Ad
     cos, sin = emb.cos().bfloat16().to(device), emb.sin().bfloat16().to(device)
     got_q, got_k = kernel.fn(q, k, cos, sin)
     c, s = cos.double().cpu()[:, None], sin.double().cpu()[:, None]
-    worst = None
-    for got, x in ((got_q, q), (got_k, k)):
+    return _worst(_rotary_verdicts(kernel, ((got_q, q), (got_k, k)), c, s))
+
+
+def _rotary_verdicts(kernel: Kernel, pairs, c, s):
+    for got, x in pairs:
         x = x.double().cpu()
         a, b = x * c, _rotate_half(x) * s
         v = _verdict("rotary", kernel.name, got, a + b, (a.abs() + b.abs()) * 2.0**-7,
                      "2^-7 of |x cos| + |rotate_half(x) sin|")  # fmt: skip
-        if worst is None or not v.admitted or (v.error or 0) > (worst.error or 0):
-            worst = v
-        if not v.admitted:
-            break
-    assert worst is not None
-    return worst
+        yield v
 
 
 def check_attention_backend(

@@ -92,13 +92,21 @@ def forward(model: OuroModel, step: StepInputs, rows: LoopRows) -> LoopOutputs:
     draft_hs: list[torch.Tensor] = []
     draft_gates: list[torch.Tensor] = []
 
-    def early(t: int, h: torch.Tensor) -> None:
-        normal_hs.append(h.index_select(0, picked))
-        draft_hs.append(h[A:])
-        if rows.gated:
-            g = _gates(model, torch.cat((normal_hs[-1], draft_hs[-1])), step.prompt_samples)
-            normal_gates.append(g[:ns])
-            draft_gates.append(g[ns:])
+    def collect(hs: list[torch.Tensor], gates: list[torch.Tensor]):
+        """After each loop: the normal rows' state, and the state of rows ``A:`` into ``hs``
+        (with their gates when some request is gated)."""
+
+        def after(t: int, h: torch.Tensor) -> None:
+            normal_hs.append(h.index_select(0, picked))
+            hs.append(h[A:])
+            if rows.gated:
+                g = _gates(model, torch.cat((normal_hs[-1], hs[-1])), step.prompt_samples)
+                normal_gates.append(g[:ns])
+                gates.append(g[ns:])
+
+        return after
+
+    early = collect(draft_hs, draft_gates)
 
     h = F.embedding(step.input_ids[: A + D], model.embed)  # [A + D, H]
     h = run_loops(model, range(E), h, cos[:, : A + D], sin[:, : A + D], early_meta, ops, early)
@@ -109,13 +117,7 @@ def forward(model: OuroModel, step: StepInputs, rows: LoopRows) -> LoopOutputs:
         kept_gates = rows.verify_states.new_empty(rows.verify_states.shape[0], E)
     verify_gates = [kept_gates[:, t] for t in range(E)]
 
-    def late(t: int, h: torch.Tensor) -> None:
-        normal_hs.append(h.index_select(0, picked))
-        verify_hs.append(h[A:])
-        if rows.gated:
-            g = _gates(model, torch.cat((normal_hs[-1], verify_hs[-1])), step.prompt_samples)
-            normal_gates.append(g[:ns])
-            verify_gates.append(g[ns:])
+    late = collect(verify_hs, verify_gates)
 
     late_rows = torch.tensor([*range(A), *range(A + D, N)], dtype=torch.int64, device=device)
     h = torch.cat((h[:A], rows.verify_states[:, E - 1]))  # [A + V, H]
