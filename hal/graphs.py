@@ -101,6 +101,13 @@ class StepGraphs(abc.ABC):
         return f"{self.name} (emulated)" if self.emulated else self.name
 
 
+def context_bucket(blocks: int) -> int:
+    """The context bucket, in blocks, of a decode row that reads ``blocks`` blocks: the next
+    power of two. Step graphs are captured per bucket; a backend whose decode form reads a
+    padded bucket eagerly too (``ascend_fia``) takes the same one."""
+    return 1 << max(blocks - 1, 0).bit_length()
+
+
 @attrs.frozen(eq=False)
 class StaticDecodeMetadata:
     """Attention metadata of a decode-only step in static shapes (one query row per request).
@@ -130,6 +137,20 @@ class StaticDecodeMetadata:
         positions = torch.arange(width * block_size, device=block_tables.device)
         masked = (positions[None, :] >= seq_lens[:, None]).view(rows, 1, 1, -1)
         return cls(block_size, slot_mapping, block_tables, seq_lens, slots, masked)
+
+    @classmethod
+    def bucketed(cls, meta) -> StaticDecodeMetadata:
+        """The static form of an eager decode-only step (``hal.types.AttentionMetadata`` with one
+        query row per request): each row's context bucket, spare table entries repeating its
+        first block. A plan that runs decode steps in this form eagerly too (``--mode fast``)
+        gives a step the same ops and arguments whether it is replayed or not."""
+        bs, tables = meta.block_size, meta.block_tables
+        width = context_bucket(max(-(-(c + 1) // bs) for c in meta.host_context_lens))
+        cols = torch.arange(width, device=tables.device)
+        picked = tables[:, cols.clamp(max=tables.shape[1] - 1)].long()
+        used = (meta.seq_lens[:, None].long() + bs - 1) // bs
+        table = torch.where(cols[None] < used, picked, picked[:, :1])
+        return cls.of(bs, meta.slot_mapping, table, meta.seq_lens.long())
 
     @property
     def num_rows(self) -> int:

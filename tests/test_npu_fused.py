@@ -22,6 +22,7 @@ from drivers.npu.driver import create
 from drivers.npu.emulation import EmulatedTorchNpu
 from drivers.npu.fused import AscendFiaBackend
 from hal.devops import DeviceOpCounter
+from hal.graphs import StaticDecodeMetadata
 from hal.kernels import Kernel, hf_rms_norm
 from hal.types import AttentionMetadata
 from runtime_glue.checks.parity import within_tolerance
@@ -137,6 +138,45 @@ def fia_problem(op) -> str | None:
     return None
 
 
+def _decode_case(block_size=128, ctx=(130, 6, 300), width=4, heads=4, kv_heads=2, d=32):
+    """The decode form ascend_fia passes (and step graphs capture): one row per request, a
+    block table as wide as the context bucket whose spare entries repeat the first block, the
+    bucket as every KV length and a mask past each row's context (sparse_mode 0)."""
+    nb = 8
+    kc, vc = _r(nb, block_size, kv_heads * d, seed=22), _r(nb, block_size, kv_heads * d, seed=23)
+    used = [[5, 2], [7], [1, 6, 3]]
+    tables = torch.tensor([u + u[:1] * (width - len(u)) for u in used], dtype=torch.int32)
+    q = _r(len(ctx), heads, d, seed=24)
+    want = []
+    for b, c in enumerate(ctx):
+        rows = [tables[b, p // block_size] * block_size + p % block_size for p in range(c + 1)]
+        k = kc.view(-1, kv_heads, d)[torch.tensor(rows)].float().repeat_interleave(2, 1)
+        v = vc.view(-1, kv_heads, d)[torch.tensor(rows)].float().repeat_interleave(2, 1)
+        p = (torch.einsum("snd,knd->nsk", q[b : b + 1].float(), k) * d**-0.5).softmax(-1)
+        want.append(torch.einsum("nsk,knd->snd", p, v))
+    positions = torch.arange(width * block_size)
+    mask = (positions[None] > torch.tensor(ctx)[:, None]).view(len(ctx), 1, 1, -1)
+    kwargs = dict(
+        atten_mask=mask, actual_seq_lengths=list(range(1, len(ctx) + 1)),
+        actual_seq_lengths_kv=[width * block_size] * len(ctx), block_table=tables,
+        num_heads=heads, scale=d**-0.5, input_layout="TND", num_key_value_heads=kv_heads,
+        sparse_mode=0, block_size=block_size,
+    )  # fmt: skip
+    return (q, kc, vc), kwargs, torch.cat(want)
+
+
+def fia_decode_problem(op) -> str | None:
+    args, kwargs, want = _decode_case()
+    out, _ = op(*args, **kwargs)
+    if (out.float() - want).abs().max() > 0.02:
+        return "masked decode attention differs from softmax over each row's own context"
+    return None
+
+
+def _fia_ignoring_the_mask(q, k, v, **kw):
+    return npu.npu_fused_infer_attention_score(q, k, v, **{**kw, "atten_mask": None})
+
+
 def _swapped_swiglu(x, dim):
     a, b = x.chunk(2, dim)
     return npu.npu_swiglu(torch.cat((b, a), dim), dim)
@@ -169,6 +209,7 @@ CASES = {
     "npu_scatter_pa_kv_cache": (scatter_problem, npu.npu_scatter_pa_kv_cache, _off_by_one_scatter),  # noqa: E501
     "fia_block_table": (fia_problem, npu.npu_fused_infer_attention_score, _fia_ignoring_block_table),  # noqa: E501
     "fia_kv_lengths": (fia_problem, npu.npu_fused_infer_attention_score, _fia_ignoring_kv_lengths),  # noqa: E501
+    "fia_decode_mask": (fia_decode_problem, npu.npu_fused_infer_attention_score, _fia_ignoring_the_mask),  # noqa: E501
 }  # fmt: skip
 
 
@@ -261,7 +302,10 @@ class _IgnoresBlockTable(AscendFiaBackend):
     """Test double: ascend_fia reading the blocks in order, as if the table were the identity."""
 
     def forward(self, query, plane, kv, meta, scaling, deterministic=False):
-        table = torch.arange(meta.block_tables.numel(), dtype=torch.int32)
+        table = torch.arange(meta.block_tables.numel(), dtype=meta.block_tables.dtype)
+        if isinstance(meta, StaticDecodeMetadata):  # the decode form
+            meta = attrs.evolve(meta, block_tables=table.view(meta.block_tables.shape))
+            return super().forward(query, plane, kv, meta, scaling)
         meta = AttentionMetadata(
             meta.block_size, meta.slot_mapping, table.view(meta.block_tables.shape),
             meta.seq_lens, meta.context_lens, meta.query_start_loc,
@@ -270,10 +314,17 @@ class _IgnoresBlockTable(AscendFiaBackend):
         return super().forward(query, plane, kv, meta, scaling)
 
 
-def test_a_planted_attention_bug_is_refused_at_start_up(emulated_npu, tiny_config):
-    bad = check_attention_backend(
-        _IgnoresBlockTable(emulated_npu.device), emulated_npu, tiny_config, 128
-    )  # noqa: E501
+class _IgnoresDecodeMask(AscendFiaBackend):
+    """Test double: ascend_fia whose decode form forgets the padding mask (reads the bucket)."""
+
+    def _decode_view(self, meta):
+        table, mask = super()._decode_view(meta)
+        return table, torch.zeros_like(mask)
+
+
+@pytest.mark.parametrize("planted", [_IgnoresBlockTable, _IgnoresDecodeMask])
+def test_a_planted_attention_bug_is_refused_at_start_up(emulated_npu, tiny_config, planted):
+    bad = check_attention_backend(planted(emulated_npu.device), emulated_npu, tiny_config, 128)
     assert not bad.admitted and "exceeds the float64 bound" in bad.why
 
 
@@ -290,7 +341,10 @@ def test_mode_fast_admits_every_fused_kernel_and_says_so(fast_llm):
     assert set(verdicts) == {
         ("rms_norm", "npu_rms_norm"), ("add_rms_norm", "npu_add_rms_norm"),
         ("silu_mul", "npu_swiglu"), ("rotary", "npu_rotary_mul"), ("attention", "ascend_fia"),
+        ("step_graphs", "npu_graph (emulated)"),
     }  # fmt: skip
+    graphs = verdicts.pop(("step_graphs", "npu_graph (emulated)"))
+    assert graphs.admitted and "replay equals the eager step bit for bit" in graphs.why
     assert all(a.admitted and "within the float64 bound" in a.why for a in verdicts.values())
     assert plan.choice("generated", "rms_norm").kernel == "npu_rms_norm"
     assert dict(plan.fused) == {"add_rms_norm": "npu_add_rms_norm", "rotary": "npu_rotary_mul"}
@@ -356,10 +410,15 @@ def test_mode_and_its_aliases_cannot_contradict_each_other(tiny_ckpt):
     assert EngineArgs(mode="hf-exact").mode == "hf-exact"
 
 
-def test_bench_ops_counts_fast_and_exact_plans_on_the_emulated_npu(tiny_ckpt, tmp_path):
+def test_bench_ops_counts_fast_and_exact_plans_on_the_emulated_npu(tmp_path):
+    """At Ouro-1.4B's depth (24 layers, 4 loops; tiny widths: a count does not depend on them),
+    where a step's constant work weighs per layer pass as it does on the real model."""
+    from runtime_glue.ouro.toy import preset_config, write_checkpoint
+
+    deep = write_checkpoint(tmp_path / "deep", preset_config("tiny", num_hidden_layers=24))
     out = tmp_path / "ops.json"
     proc = rlt_hal(
-        "bench", "ops", "--model", str(tiny_ckpt), "--device", "npu", "--mode", "fast",
+        "bench", "ops", "--model", str(deep), "--device", "npu", "--mode", "fast",
         "--block-size", "128", "--json", str(out), env={**os.environ, "RLT_HAL_NPU_EMULATE": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -369,7 +428,9 @@ def test_bench_ops_counts_fast_and_exact_plans_on_the_emulated_npu(tiny_ckpt, tm
     assert fast["mode"] == "fast" and exact["mode"] == "hf-exact"
     assert fast["device_ops_per_layer_pass"] <= 20 < exact["device_ops_per_layer_pass"]
     assert "rlt_npu_emulated.npu_fused_infer_attention_score" in fast["top_ops"]
-    assert fast["host_calls_per_decode_step_graph_replay"] is None  # no step graphs here
+    # --mode fast captures decode steps where the driver offers graphs; HF-exact does not
+    assert 1 <= fast["host_calls_per_decode_step_graph_replay"] <= 10
+    assert exact["host_calls_per_decode_step_graph_replay"] is None
 
 
 def test_rlt_hal_plan_shows_each_admission(tiny_ckpt):
@@ -380,6 +441,7 @@ def test_rlt_hal_plan_shows_each_admission(tiny_ckpt):
     assert proc.returncode == 0, proc.stderr
     assert "attention ascend_fia: admitted, within the float64 bound" in proc.stdout
     assert "rotary npu_rotary_mul: admitted" in proc.stdout
+    assert "step_graphs npu_graph (emulated): admitted" in proc.stdout
 
 
 def test_the_acceptance_fast_plan_part_fails_when_the_device_admits_nothing(tiny_ckpt):

@@ -20,20 +20,26 @@ from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 from tests.helpers import prompt_of
 
-# name -> LLM options selecting the plan mode (--step-graphs refuses --mode fast, see below).
-MODES = {"deterministic": dict(deterministic=True), "hf-exact": dict(deterministic=False)}
+# name -> LLM options selecting the plan mode. At block size 16 the fast plan keeps
+# ascend_eager attention beside its fused kernels (ascend_fia needs multiples of 128).
+MODES = {
+    "deterministic": dict(deterministic=True),
+    "hf-exact": dict(deterministic=False),
+    "fast": dict(mode="fast"),
+}
+# ... and the fast plan with ascend_fia, whose decode form captured steps replay.
+WITH_FIA = {**MODES, "fast-fia": dict(mode="fast", block_size=128)}
 BS = 16
 
 
 def _llm(ckpt, mode: str, graphs: bool, num_blocks: int = 24, **options) -> LLM:
+    options = {"block_size": BS, **WITH_FIA[mode], **options}
     return LLM(
         ckpt,
         device="npu",
-        block_size=BS,
         num_blocks=num_blocks + (1 if graphs else 0),
         max_num_seqs=4,
         step_graphs=graphs,
-        **MODES[mode],
         **options,
     )
 
@@ -88,12 +94,13 @@ def _requests(n: int, max_tokens: int = 6, seed: int = 0):
     ]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(WITH_FIA))
 @pytest.mark.parametrize("batch", [1, 3, 5])
 def test_replayed_decode_steps_give_the_tokens_and_logits_of_eager_steps(tiny_ckpt, mode, batch):
     requests = _requests(batch)
     eager = _run(_llm(tiny_ckpt, mode, False), requests)
     llm = _llm(tiny_ckpt, mode, True)
+    assert llm.plan.attention == ("ascend_fia" if mode == "fast-fia" else "ascend_eager")
     graphs = _run(llm, requests)
     _assert_same(eager, graphs)
     stats = llm.engine.graphs.stats
@@ -132,7 +139,7 @@ def test_replay_equals_eager_with_prefix_cache_hits(tiny_ckpt, mode):
     _assert_same(*results)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(WITH_FIA))
 def test_replay_equals_eager_when_requests_are_aborted_midway(tiny_ckpt, mode):
     requests = _requests(4, max_tokens=8, seed=3)
     abort = {3: "r1", 6: "r3"}  # one while decoding, one later: the batch shrinks twice
@@ -192,6 +199,63 @@ def test_an_input_copied_beside_the_static_buffer_gives_stale_tokens(tiny_ckpt, 
     graphs = _run(llm, requests)
     with pytest.raises(AssertionError, match="tokens differ|logits differ"):
         _assert_same(eager, graphs)
+
+
+def test_graphs_are_admitted_at_start_up_by_a_replay_equal_to_the_eager_step(tiny_ckpt):
+    llm = _llm(tiny_ckpt, "hf-exact", True)
+    (verdict,) = [a for a in llm.plan.admissions if a.op == "step_graphs"]
+    assert verdict.admitted and verdict.kernel == "npu_graph (emulated)"
+    assert "replay equals the eager step bit for bit" in verdict.why
+    assert llm.engine.graphs is not None and llm.engine.graphs.stats["captures"] == 1
+
+
+def _diverging_exits(pdf, v):  # the planted bug: the static step ignores every exit rule
+    return v["exit_step"] * 0 + pdf.shape[-1] - 1
+
+
+def _stale_load(self, values):  # the planted bug: the step's data copied beside the buffer
+    self.host.numpy()[:] = values
+    self.device = self.host.clone()
+
+
+@pytest.mark.parametrize(
+    "planted, why",
+    [
+        ((engine_graphs, "_exit_steps", _diverging_exits), "and exit loops"),  # noqa: E501
+        (
+            (engine_graphs._Buffers, "load", _stale_load),
+            "differs from the eager step in its logits",
+        ),  # noqa: E501
+    ],
+    ids=["static-step-differs", "stale-static-buffer"],
+)
+def test_a_graph_whose_replay_differs_from_eager_is_refused_and_steps_run_eagerly(
+    tiny_ckpt, monkeypatch, planted, why
+):
+    requests = _requests(3)
+    eager = _run(_llm(tiny_ckpt, "deterministic", False), requests)
+    monkeypatch.setattr(*planted)
+    llm = _llm(tiny_ckpt, "deterministic", True)
+    (verdict,) = [a for a in llm.plan.admissions if a.op == "step_graphs"]
+    assert not verdict.admitted and why in verdict.why, verdict.why
+    assert llm.engine.graphs is None and llm.allocator.num_free == 25  # the scratch page back
+    _assert_same(eager, _run(llm, requests))
+
+
+def test_mode_fast_captures_decode_steps_by_default_where_the_driver_can(tiny_ckpt):
+    llm = LLM(tiny_ckpt, device="npu", block_size=128, num_blocks=9, mode="fast")
+    assert llm.engine.graphs is not None
+    assert any(a.op == "step_graphs" and a.admitted for a in llm.plan.admissions)
+    off = LLM(tiny_ckpt, device="npu", block_size=128, num_blocks=8, mode="fast",
+              step_graphs=False)  # fmt: skip
+    assert off.engine.graphs is None
+    cpu = LLM(tiny_ckpt, device="cpu", block_size=BS, num_blocks=8, mode="fast")
+    assert cpu.engine.graphs is None
+    assert any("step graphs off: driver 'cpu' offers no step graphs" in n for n in cpu.plan.notes)
+    adaptive = LLM(tiny_ckpt, device="npu", block_size=128, num_blocks=8, mode="fast",
+                   adaptive_depth=True)  # fmt: skip
+    assert adaptive.engine.graphs is None
+    assert any("--adaptive-depth" in n for n in adaptive.plan.notes)
 
 
 def test_step_graphs_are_refused_where_they_cannot_run(tiny_ckpt):
@@ -278,9 +342,11 @@ def test_an_emulated_npu_op_is_one_device_op_whose_own_checks_are_no_host_reads(
     assert cache[5].tolist() == [6.0, 6.0] and not cache[0].any()
 
 
-def test_update_refreshes_the_host_arguments_a_replay_would_otherwise_keep():
-    """``_npu_paged_attention``'s ``context_lens`` (argument 7) is a host list: a graph replays
-    the captured one until ``update(cpu_update_input=...)`` gives it another."""
+def test_host_arguments_are_frozen_at_capture_and_only_update_refreshes_them():
+    """``_npu_paged_attention``'s ``context_lens`` (argument 7) is a host list. A graph captured
+    plainly replays the captured one whatever the step passes; one captured with
+    ``auto_dispatch_capture=True`` cannot replay until ``update(cpu_update_input=...)`` gives
+    it the step's (on hardware it would wait for the update's event)."""
 
     def paged(q, *args):  # a stand-in op: the sum of its first context_lens[0] elements
         return q[: args[6][0]].sum(0, keepdim=True)
@@ -288,20 +354,21 @@ def test_update_refreshes_the_host_arguments_a_replay_would_otherwise_keep():
     op = _npu_op("_npu_paged_attention", paged)
     q, lens = torch.arange(6.0), [2]
     graph = EmulatedTorchNpu().NPUGraph()
-    with pytest.raises(RuntimeError, match="does not support update"):
-        graph.update([{"context_lens": [3]}])
-    out = graph.capture(lambda: op(q, 0, 0, 0, 0, 0, 0, list(lens)), auto_dispatch_capture=True)
+    out = graph.capture(lambda: op(q, 0, 0, 0, 0, 0, 0, list(lens)))
     lens[0] = 4
     graph.replay()
     assert out.tolist() == [1.0]  # the captured context_lens, not the callable's new one
-    graph.update([{"context_lens": [4]}])
+    with pytest.raises(RuntimeError, match="does not support update"):
+        graph.update([{"context_lens": [4]}])
+
+    graph = EmulatedTorchNpu().NPUGraph()
+    out = graph.capture(lambda: op(q, 0, 0, 0, 0, 0, 0, list(lens)), auto_dispatch_capture=True)
+    with pytest.raises(GraphReplayError, match="without update"):
+        graph.replay()
+    graph.update([{"context_lens": [3]}])
     graph.replay()
-    assert out.tolist() == [6.0]
+    assert out.tolist() == [3.0]
+    with pytest.raises(GraphReplayError, match="without update"):
+        graph.replay()  # every replay needs its own update
     with pytest.raises(RuntimeError, match="there are 1 operators"):
         graph.update([{"context_lens": [1]}, {"context_lens": [2]}])
-
-
-def test_step_graphs_refuse_the_fast_plan(tiny_ckpt):
-    """Replayed fast-plan steps have not been shown equal to its eager steps: refused."""
-    with pytest.raises(ValueError, match="--mode fast"):
-        LLM(tiny_ckpt, device="npu", block_size=BS, num_blocks=25, mode="fast", step_graphs=True)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hal.eager import TensorKVStore
+from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend
 from hal.kernels import Kernel, KernelUnavailable
 
@@ -103,17 +104,24 @@ def kernels(device) -> tuple[Kernel, ...]:
 
 class AscendFiaBackend(AttentionBackend):
     """``npu_fused_infer_attention_score`` over the paged cache with the block table: one
-    call per plane for every request of a step, prefill and decode; K/V written by one
-    ``npu_scatter_pa_kv_cache`` call. Not HF-exact (fp32 softmax over fused tiles)."""
+    call per plane for every request of a step; K/V written by one
+    ``npu_scatter_pa_kv_cache`` call. Not HF-exact (fp32 softmax over fused tiles).
+
+    Two forms: a step with prompt rows passes each request's exact lengths with
+    ``sparse_mode=3`` (right-down causal); a decode-only step (``StaticDecodeMetadata``: the
+    fast plan runs every decode-only step so, eager or captured in a step graph) reads each
+    row's context bucket with a padding mask (``sparse_mode=0``, :meth:`_decode_view`)."""
 
     name = "ascend_fia"
     hf_exact = False
     supports_deterministic = False
+    step_graphs = True  # its decode form reads only static buffers (_decode_view)
 
     def __init__(self, device) -> None:
         self.ops = _Ops(device)
         self.device = device
         self._mask: torch.Tensor | None = None
+        self._view: tuple | None = None  # (metadata, table, mask) of the step running
 
     def _paged(self, kv, plane: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(kv, TensorKVStore):
@@ -142,22 +150,39 @@ class AscendFiaBackend(AttentionBackend):
         _, heads, n, d = query.shape
         k_cache, v_cache = self._paged(kv, plane)
         nb, bs, kv_heads, _ = k_cache.shape
-        q_ends = list(meta.host_query_start_loc[1:])
-        kv_lens = [meta.request(r)[1] + meta.request(r)[2] for r in range(meta.num_requests)]
-        prefill = any(meta.request(r)[1] > 1 for r in range(meta.num_requests))
+        mask: torch.Tensor | None
+        if isinstance(meta, StaticDecodeMetadata):  # decode rows: the bucket, under a mask
+            table, mask = self._decode_view(meta)
+            width = table.shape[1] * bs
+            q_ends, kv_lens, sparse = list(range(1, n + 1)), [width] * n, 0
+        else:  # each request's exact lengths, right-down causal
+            q_ends = list(meta.host_query_start_loc[1:])
+            kv_lens = [meta.request(r)[1] + meta.request(r)[2] for r in range(meta.num_requests)]
+            prefill = any(meta.request(r)[1] > 1 for r in range(meta.num_requests))
+            table, mask, sparse = meta.block_tables, self.mask() if prefill else None, 3
         out, _ = self.ops("npu_fused_infer_attention_score")(
             query[0].transpose(0, 1).contiguous(),  # [T, N, D]; a view for one decode row
             k_cache.view(nb, bs, kv_heads * d),
             v_cache.view(nb, bs, kv_heads * d),
-            atten_mask=self.mask() if prefill else None,
+            atten_mask=mask,
             actual_seq_lengths=q_ends,
             actual_seq_lengths_kv=kv_lens,
-            block_table=meta.block_tables,
+            block_table=table,
             num_heads=heads,
             scale=scaling,
             input_layout="TND",
             num_key_value_heads=kv_heads,
-            sparse_mode=3,
+            sparse_mode=sparse,
             block_size=bs,
         )
         return out.view(n, heads * d)
+
+    def _decode_view(self, meta: StaticDecodeMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode form's block table ``[B, W]`` (int32) and mask ``[B, 1, 1, W * bs]``
+        (True: past the row's ``seq_len``), once per step (every plane reads the same). The
+        lengths are then the bucket's, constant per captured shape: the step needs no
+        per-step host argument (no ``NPUGraph.update``)."""
+        cached = self._view
+        if cached is None or cached[0] is not meta:
+            cached = self._view = (meta, meta.block_tables.to(torch.int32), meta.masked)
+        return cached[1], cached[2]

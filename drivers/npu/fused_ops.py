@@ -265,6 +265,9 @@ def _fia(
         if s > 1 and sparse_mode == 3:  # rightDownCausal: row i sees keys 0 .. kv_len - s + i
             hidden = torch.arange(kv_len)[None, :] > torch.arange(s)[:, None] + (kv_len - s)
             scores = scores.masked_fill(hidden, float("-inf"))
+        elif sparse_mode == 0 and atten_mask is not None:  # defaultMask: 1 = not computed
+            hidden = atten_mask[b if atten_mask.shape[0] > 1 else 0].reshape(s, -1)[:, :kv_len]
+            scores = scores.masked_fill(hidden.bool().to(scores.device), float("-inf"))
         p = scores.softmax(-1)
         out[starts[b] : starts[b + 1]] = torch.einsum("nsk,knd->snd", p, v).to(query.dtype)
     return out, query.new_zeros(0, dtype=torch.float32)
@@ -312,6 +315,8 @@ def _check_fia(query, key, value, mask, q_ends, kv_lens, table, heads, kv_heads,
             if not torch.equal(mask.reshape(MASK_SIZE, MASK_SIZE).bool(), want):
                 refuse(op, "the sparse_mode 3 mask must be ones above the diagonal, else zeros")
             _CHECKED_MASKS[id(mask)] = weakref.ref(mask)
+    if mask is not None and sparse == 0:
+        _check_default_mask(op, mask, q_lens, table.shape[1] * bs)
     for b, (n, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
         if kv < n or kv > table.shape[1] * bs:
             refuse(
@@ -320,6 +325,23 @@ def _check_fia(query, key, value, mask, q_ends, kv_lens, table, heads, kv_heads,
         used = table[b, : -(-kv // bs)]
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= key.shape[0]):
             refuse(op, f"batch {b}: block_table holds a block id outside [0, {key.shape[0]})")
+
+
+def _check_default_mask(op: str, mask, q_lens: list[int], table_width: int) -> None:
+    """sparse_mode 0 with a mask (the decode form): bool/int8/uint8, ``(B, 1, Q_S, KV_S)`` or
+    ``(1, 1, Q_S, KV_S)``, contiguous; with page attention its last dimension at least the
+    block table's width times block_size. Emulated for decode rows (Q_S = 1) only."""
+    if max(q_lens, default=0) > 1:
+        raise NotImplementedError(f"{op}: a sparse_mode 0 mask is emulated for decode rows only")
+    if mask.dtype not in (torch.bool, torch.int8, torch.uint8) or not mask.is_contiguous():
+        refuse(op, "atten_mask must be a contiguous bool, int8 or uint8 tensor")
+    if mask.dim() != 4 or mask.shape[0] not in (1, len(q_lens)) or mask.shape[1:3] != (1, 1):
+        refuse(
+            op, f"atten_mask must be (B, 1, Q_S, KV_S) or (1, 1, Q_S, KV_S), got {list(mask.shape)}"
+        )
+    if mask.shape[-1] < table_width:
+        refuse(op, f"with page attention the mask's last dimension must be at least block_table "
+                   f"width * block_size ({table_width}), got {mask.shape[-1]}")  # fmt: skip
 
 
 UNEMULATED_FIA_ARGS = (

@@ -1,10 +1,13 @@
 """Step graphs on Ascend (``torch.npu.NPUGraph``), and their EMULATED test double.
 
 ``NpuStepGraphs`` is the npu driver's ``hal.graphs`` capability. With torch_npu it warms the
-step up, captures it with ``torch.npu.graph(g, pool=..., auto_dispatch_capture=True)`` (so
-that ``NPUGraph.update(cpu_update_input=...)`` can refresh the host arguments of the ops
-torch_npu's ``_npugraph_handlers`` know, such as ``actual_seq_lengths_kv`` of
-``npu_fused_infer_attention_score``) and replays it with ``g.replay()``.
+step up, captures it with ``torch.npu.graph(g, pool=...)`` and replays it with ``g.replay()``.
+It captures without ``auto_dispatch_capture``: with it, torch_npu's ``_npugraph_handlers``
+record ops such as ``npu_fused_infer_attention_score`` so that
+``NPUGraph.update(cpu_update_input=...)`` can refresh host arguments like
+``actual_seq_lengths_kv``, but each such op then waits, at every replay, for an update that
+relaunches it: one more host call per layer pass. The step graphs need none (the ascend_fia
+decode form passes constant lengths and a mask on the device).
 
 Without hardware, ``EmulatedNPUGraph`` stands in for an ACL graph (a test double: everything
 it runs is labelled emulated, and it proves nothing about speed). It does what a graph
@@ -24,10 +27,13 @@ it runs is labelled emulated, and it proves nothing about speed). It does what a
   have frozen at its captured branch), or a read of a buffer the capture never saw (an input
   copied into a new tensor instead of the static one: a real graph keeps reading the old
   buffer). The outputs returned at capture are static: replay writes into them.
+- a handler op's host arguments are frozen at capture: replay runs it with the captured
+  ones whatever the callable passes, as the real graph does (a step whose lengths changed
+  reads the wrong context, which the replay-vs-eager checks catch).
 - ``update(cpu_update_input)`` follows torch_npu's rules (only after
   ``auto_dispatch_capture=True``, one dict per recorded handler op or one for all); replay
-  then runs those ops with the updated host arguments, and otherwise with the captured ones
-  whatever the callable passes, as the real graph does.
+  then runs those ops with the updated host arguments, and raises without an update since
+  the previous replay (on hardware it would wait for the update's event).
 """
 
 from __future__ import annotations
@@ -197,6 +203,7 @@ class EmulatedNPUGraph:
         self._outputs: Any = None
         self._pool: object | None = None
         self._host_args: list[dict[str, Any]] = []  # per recorded handler op
+        self._updated = False  # update() since the last replay
         self.replays = 0
 
     def capture(self, fn: Callable[[], Any], pool=None, auto_dispatch_capture=False) -> Any:
@@ -214,6 +221,14 @@ class EmulatedNPUGraph:
     def replay(self) -> None:
         if self._fn is None or self._tape is None:
             raise RuntimeError("emulated NPUGraph: replay() before a capture")
+        if self.auto_dispatch_capture and self._host_args and not self._updated:
+            raise GraphReplayError(
+                "emulated NPUGraph: replay() without update() of its "
+                f"{len(self._host_args)} handler op(s): with auto_dispatch_capture=True "
+                "torch_npu captures an ExternalEvent wait before each such op that only "
+                "update(cpu_update_input) records, so on hardware this replay would wait forever"
+            )
+        self._updated = False
         with _recording(_Tape(capture=False)) as tape:
             tape.graph = self
             outputs = self._fn()
@@ -246,6 +261,7 @@ class EmulatedNPUGraph:
             )
         for recorded, new in zip(self._host_args, cpu_update_input, strict=True):
             recorded.update({k: v for k, v in new.items() if k in recorded})
+        self._updated = True
 
     def reset(self) -> None:
         self._fn = self._tape = self._outputs = None
@@ -380,11 +396,14 @@ class NpuStepGraphs(StepGraphs):
         if self._pool is None:
             self._pool = ops.graph_pool_handle()  # one pool: graphs run one at a time
         graph = ops.NPUGraph()
+        # No dispatch handlers: the captured step takes no per-step host argument (ascend_fia's
+        # decode form has constant lengths), and a handler op would make every replay wait
+        # for an update() that relaunches it (one host call per layer pass).
         if self.emulated:
-            outputs = graph.capture(fn, pool=self._pool, auto_dispatch_capture=True)
+            outputs = graph.capture(fn, pool=self._pool, auto_dispatch_capture=False)
             return NpuStepGraph(graph), outputs
         fn()  # warm-up: lazy initialisation and the allocator's first blocks, outside capture
         ops.synchronize()
-        with ops.graph(graph, pool=self._pool, auto_dispatch_capture=True):
+        with ops.graph(graph, pool=self._pool, auto_dispatch_capture=False):
             outputs = fn()
         return NpuStepGraph(graph), outputs

@@ -148,8 +148,13 @@ def fast_plan_part(llm: LLM, questions, max_tokens: int, prompt_len: int, tolera
     from runtime_glue.checks.evaluation import DEFAULT_TEMPLATE
 
     fast = llm.variant(mode="fast")
-    admitted = [f"{a.op} {a.kernel}" for a in fast.plan.admissions if a.admitted]
-    refused = [f"{a.op} {a.kernel}: {a.why}" for a in fast.plan.admissions if not a.admitted]
+    kernels = [a for a in fast.plan.admissions if a.op != "step_graphs"]
+    admitted = [f"{a.op} {a.kernel}" for a in kernels if a.admitted]
+    refused = [f"{a.op} {a.kernel}: {a.why}" for a in kernels if not a.admitted]
+    graphs = next((a for a in fast.plan.admissions if a.op == "step_graphs"), None)
+    graphs_verdict = (
+        "off" if graphs is None else f"{'admitted' if graphs.admitted else 'refused'}: {graphs.why}"
+    )
     prompts = [
         llm.encode(DEFAULT_TEMPLATE.format(question=q.question)) for q in questions
     ] or _prompts(llm)
@@ -162,7 +167,8 @@ def fast_plan_part(llm: LLM, questions, max_tokens: int, prompt_len: int, tolera
         total += len(a.token_ids)
     exact_t, fast_t = _tpot(llm, prompt_len, max_tokens), _tpot(fast, prompt_len, max_tokens)
     summary = (
-        f"{len(admitted)} fused kernels admitted; TPOT {exact_t['tpot_s'] * 1e3:.1f} ms "
+        f"{len(admitted)} fused kernels admitted; step graphs {graphs_verdict.split(':')[0]}; "
+        f"TPOT {exact_t['tpot_s'] * 1e3:.1f} ms "
         f"({exact_t['tpot_over_floor']:.1f}x floor) exact, {fast_t['tpot_s'] * 1e3:.1f} ms "
         f"({fast_t['tpot_over_floor']:.1f}x floor) fast; logits within {worst:.4g} of the "
         f"exact plan's ({'within' if worst <= tolerance else 'outside'} the tolerance "
@@ -172,6 +178,7 @@ def fast_plan_part(llm: LLM, questions, max_tokens: int, prompt_len: int, tolera
         "plan": fast.plan.describe(),
         "admitted": admitted,
         "refused": refused,
+        "step_graphs": graphs_verdict,
         "exact": {"plan": llm.plan.describe(), **exact_t},
         "fast": {"plan": fast.plan.describe(), **fast_t},
         "max_logit_diff": worst,

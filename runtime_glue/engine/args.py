@@ -167,11 +167,13 @@ class EngineArgs:
     )
 
     # -- step graphs (runtime_glue.engine.graphs) --
-    step_graphs: bool = cli_field(
-        False,
+    step_graphs: bool | None = cli_field(
+        None,
         "capture decode-only steps as device graphs (cuda, npu) and replay them: one host "
-        "call per step instead of one per op; prefill and mixed steps run eagerly",
-        action="store_true",
+        "call per step instead of one per op; prefill and mixed steps run eagerly; admitted "
+        "only if a replay equals the eager step bit for bit at start-up (default: on with "
+        "--mode fast where the driver offers graphs, else off)",
+        action=argparse.BooleanOptionalAction,
     )
 
     # Speculative decoding (runtime_glue.engine.speculative): exact, from the model's own loops.

@@ -48,6 +48,7 @@ from runtime_glue.engine.speculative import (
 from runtime_glue.ouro import loops
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel, StepInputs
+from runtime_glue.ouro.plan import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +116,16 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
         self.graphs: StepGraphRunner | None = None
+        self.graph_admission: Admission | None = None  # the graphs' check on this device
         if step_graphs is not None:
             self.graphs = StepGraphRunner(
                 step_graphs, model, device, allocator, self.config.max_num_seqs, self.max_model_len
             )
+            self.graph_admission = self.graphs.admit()
+            if not self.graph_admission.admitted:
+                logger.warning("step graphs refused: %s", self.graph_admission.why)
+                allocator.free_after(self.graphs.scratch, device.record_fence())
+                self.graphs = None
         self.reserved_blocks: list[int] = self.graphs.scratch if self.graphs is not None else []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -20,8 +20,15 @@ position adds an exact zero, which needs finite K/V there, hence its own page).
 
 Padding changes the row count of every projection. In deterministic mode the plan's kernels
 are row-invariant (checked at start-up), so the batch sizes are powers of two; in HF-exact
-mode a row count is part of HF's arithmetic, so every batch size up to ``max_num_seqs`` has
-its own graph and no row is padded.
+and fast modes a row count is part of the arithmetic (HF's, or a GEMM's that was never
+checked for row invariance), so every batch size up to ``max_num_seqs`` has its own graph
+and no row is padded.
+
+Admitted on the device (:meth:`StepGraphRunner.admit`): before the engine serves, one shape is
+captured on synthetic rows in the scratch pages and replayed on other rows (other tokens,
+positions and exit rules); the replay must give the logits and exit loops of the same step
+run eagerly through ``OuroModel.forward``, bit for bit. Otherwise the engine runs every step
+eagerly and the plan says why.
 """
 
 from __future__ import annotations
@@ -30,16 +37,18 @@ import logging
 import struct
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.functional as F
 
-from hal.graphs import StaticDecodeMetadata, StepGraph, StepGraphs
+from hal.graphs import StaticDecodeMetadata, StepGraph, StepGraphs, context_bucket
 from hal.interfaces import Device, Driver
-from hal.types import check_slot_mapping
+from hal.types import AttentionMetadata, check_slot_mapping
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request
+from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel, RowOps, StepInputs
-from runtime_glue.ouro.plan import ExecutionPlan
+from runtime_glue.ouro.plan import Admission, ExecutionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +69,6 @@ def require_step_graphs(driver: Driver, plan: ExecutionPlan) -> StepGraphs:
             f"--step-graphs: attention backend {backend.name!r} has no graph-safe decode form "
             "(hal.graphs.StaticDecodeMetadata); choose an *_eager backend"
         )
-    if plan.mode == "fast":
-        raise ValueError(
-            "--step-graphs cannot be combined with --mode fast yet: replayed fast-plan steps "
-            "have not been shown equal to its eager ones (ascend_fia has no graph form); use "
-            "--mode hf-exact or deterministic with graphs"
-        )
     if plan.adaptive_depth:
         raise ValueError(
             "--step-graphs cannot be combined with --adaptive-depth: deciding which rows "
@@ -76,7 +79,7 @@ def require_step_graphs(driver: Driver, plan: ExecutionPlan) -> StepGraphs:
 
 def batch_sizes(mode: str, max_num_seqs: int) -> tuple[int, ...]:
     """Padded batch sizes to capture (see the module docstring for why they depend on mode)."""
-    if mode == "hf-exact":
+    if mode != "deterministic":
         return tuple(range(1, max_num_seqs + 1))
     pow2 = [2**i for i in range(max_num_seqs.bit_length()) if 2**i <= max_num_seqs]
     return tuple(sorted({*pow2, max_num_seqs}))
@@ -127,9 +130,7 @@ def static_forward(model: OuroModel, buf: _Buffers):
     cos, sin = model.rope(v["positions"], 0)  # the table was built for every position
     hs, gates = [], []
     for t in range(cfg.total_ut_steps):
-        for li in range(cfg.num_hidden_layers):
-            h = model.layer(t, li, h, cos, sin, meta, ops)
-        h = ops("rms_norm", h, model.norm, cfg.rms_norm_eps)
+        h = model.loop(t, h, cos, sin, meta, ops)
         sampled_h = h.index_select(0, buf.sample_rows)
         hs.append(sampled_h)
         gates.append(model._gate(h, sampled_h, step))
@@ -168,7 +169,7 @@ class StepGraphRunner:
         self.block_size = bs = allocator.block_size
         self.sizes = batch_sizes(model.plan.mode, max_num_seqs)
         max_blocks = min(-(-max_model_len // bs), allocator.num_blocks)
-        self.buckets = tuple(2**i for i in range(max_blocks.bit_length()) if 2**i < 2 * max_blocks)
+        self.buckets = tuple(2**i for i in range(context_bucket(max_blocks).bit_length()))
         pad_rows = max(1, self.sizes[-1] - 1)
         scratch = allocator.allocate(-(-pad_rows // bs))
         if scratch is None:
@@ -196,9 +197,10 @@ class StepGraphRunner:
             if n != 1 or req.in_prefill or req.exit_mode.kind == "weighted":
                 return None
         rows = next((s for s in self.sizes if s >= len(plan)), None)
-        need = max(-(-(req.num_computed + 1) // self.block_size) for req, _ in plan)
-        blocks = next((b for b in self.buckets if b >= need), None)
-        return None if rows is None or blocks is None else (rows, blocks)
+        blocks = context_bucket(
+            max(-(-(req.num_computed + 1) // self.block_size) for req, _ in plan)
+        )
+        return None if rows is None or blocks > self.buckets[-1] else (rows, blocks)
 
     def run(self, plan: list[tuple[Request, int]]):
         """Replay the step's graph: ``(sampled, logits, exits, picks, packed)`` (device views of
@@ -233,34 +235,118 @@ class StepGraphRunner:
     def _values(self, plan: list[tuple[Request, int]], rows: int, blocks: int) -> list[int]:
         """The static buffer's contents for this step, built on the host."""
         bs, last = self.block_size, self.model.cfg.total_ut_steps - 1
-        cols: dict[str, list[int]] = {name: [] for name in FIELDS}
-        tables: list[int] = []
+        out: list[Row] = []
         for req, _ in plan:
             ctx, mode = req.num_computed, req.exit_mode
             used = req.blocks[: -(-(ctx + 1) // bs)]
-            for name, value in (
-                ("ids", req.tokens(ctx, ctx + 1)[0]),
-                ("positions", ctx),
-                ("slots", req.blocks[ctx // bs] * bs + ctx % bs),
-                ("seq_lens", ctx + 1),
-                ("exit_step", mode.step if mode.step is not None else last),
-                ("use_threshold", int(mode.kind == "threshold")),
-                ("threshold", bf16_bits(mode.threshold) if mode.threshold is not None else 0),
-            ):
-                cols[name].append(value)
-            tables += used + used[:1] * (blocks - len(used))  # masked: its own finite K/V
-        check_slot_mapping(cols["slots"], self.model.kv.layout.num_slots)
+            out.append(Row(req.tokens(ctx, ctx + 1)[0], ctx, used, mode))
+        check_slot_mapping([r.slot(bs) for r in out], self.model.kv.layout.num_slots)
         for j in range(rows - len(plan)):  # padding rows: scratch pages only
-            page, offset = self.scratch[j // bs], j % bs
-            for name, value in (
-                ("ids", 0),
-                ("positions", offset),
-                ("slots", page * bs + offset),
-                ("seq_lens", offset + 1),
-                ("exit_step", last),
-                ("use_threshold", 0),
-                ("threshold", 0),
-            ):
-                cols[name].append(value)
-            tables += [page] * blocks
-        return [x for name in FIELDS for x in cols[name]] + tables
+            out.append(Row(0, j % bs, [self.scratch[j // bs]]))
+        return flatten(out, bs, blocks, last)
+
+    def admit(self) -> Admission:
+        """Capture one shape on synthetic rows (the scratch pages), replay it on other rows
+        and compare with the same step run eagerly: admitted iff bit for bit equal."""
+        bs, model = self.block_size, self.model
+        capacity = len(self.scratch) * bs
+        rows = max(s for s in self.sizes if s <= capacity)
+        shape = (rows, 1)  # positions within one page: context bucket 1
+        gen = torch.Generator().manual_seed(rows)
+        vocab, last = model.cfg.vocab_size, model.cfg.total_ut_steps - 1
+        modes = [ExitMode(), ExitMode(step=min(1, last)), ExitMode(threshold=0.5), ExitMode()]
+
+        def synthetic(permute: bool) -> list[Row]:
+            ids = torch.randint(0, vocab, (rows,), generator=gen).tolist()
+            offsets = list(range(rows))[:: -1 if permute else 1]  # every offset in the step
+            return [
+                Row(ids[j], offsets[j] % bs, [self.scratch[offsets[j] // bs]],
+                    modes[j % len(modes)] if permute else ExitMode())
+                for j in range(rows)
+            ]  # fmt: skip
+
+        label = f"at {rows} row(s) x 1 block"
+        try:
+            with torch.inference_mode():
+                self._capture(shape, flatten(synthetic(False), bs, 1, last))
+                trial = synthetic(True)
+                eager = self._eager(trial)
+                graph, buf, outputs = self._graphs[shape]
+                buf.load(flatten(trial, bs, 1, last))
+                graph.replay()
+                replayed = (outputs[0][:rows].clone(), outputs[1][:rows].clone())
+        except Exception as exc:  # noqa: BLE001 - any failure to capture or replay refuses it
+            self._graphs.clear()
+            return Admission("step_graphs", self.label, False,
+                             f"{label}: cannot capture or replay here: {type(exc).__name__}: {exc}")  # fmt: skip
+        same_logits = torch.equal(replayed[0], eager[0])
+        same_exits = torch.equal(replayed[1].to(eager[1].dtype), eager[1])
+        if same_logits and same_exits:
+            return Admission("step_graphs", self.label, True,
+                             f"{label}: replay equals the eager step bit for bit (logits, exit "
+                             "loops) on other tokens, positions and exit rules than captured",
+                             0.0, 0.0)  # fmt: skip
+        self._graphs.clear()
+        diff = (replayed[0].float() - eager[0].float()).abs().max().item()
+        what = " and ".join(
+            [f"logits (max difference {diff:.3g})"] * (not same_logits)
+            + ["exit loops"] * (not same_exits)
+        )
+        return Admission("step_graphs", self.label, False,
+                         f"{label}: replay differs from the eager step in its {what}; "
+                         "every step runs eagerly", diff)  # fmt: skip
+
+    def _eager(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``OuroModel.forward`` on ``rows`` as one eager decode step (the engine's path)."""
+        bs, device = self.block_size, self.device.torch_device
+        meta = AttentionMetadata.build(
+            bs, [(1, r.position, r.blocks) for r in rows], self.model.kv.layout.num_slots
+        ).to(device)[0]
+        n = len(rows)
+        step = StepInputs(
+            torch.tensor([r.token for r in rows], device=device),
+            torch.tensor([r.position for r in rows], device=device),
+            meta,
+            torch.arange(n, device=device),
+            0,
+            0,
+            max(r.position for r in rows),
+            tuple(r.mode for r in rows),
+            tuple(range(n)),
+        )
+        logits, chosen = self.model.forward(step)
+        return logits, chosen
+
+
+@attrs.frozen
+class Row:
+    """One row of a captured decode step: its token, position, blocks and exit rule."""
+
+    token: int
+    position: int
+    blocks: list[int]  # the blocks its context occupies (the last holds its new token)
+    mode: ExitMode = attrs.field(factory=ExitMode)  # a fixed loop, a threshold or the last
+
+    def slot(self, block_size: int) -> int:
+        return self.blocks[self.position // block_size] * block_size + self.position % block_size
+
+
+def flatten(rows: list[Row], block_size: int, blocks: int, last: int) -> list[int]:
+    """The static buffer's contents for ``rows`` (``FIELDS``, then the block tables): a
+    table's entries past a row's context repeat its first block (masked: finite K/V)."""
+    cols: dict[str, list[int]] = {name: [] for name in FIELDS}
+    tables: list[int] = []
+    for r in rows:
+        mode = r.mode
+        for name, value in (
+            ("ids", r.token),
+            ("positions", r.position),
+            ("slots", r.slot(block_size)),
+            ("seq_lens", r.position + 1),
+            ("exit_step", mode.step if mode.step is not None else last),
+            ("use_threshold", int(mode.kind == "threshold")),
+            ("threshold", bf16_bits(mode.threshold) if mode.threshold is not None else 0),
+        ):
+            cols[name].append(value)
+        tables += r.blocks + r.blocks[:1] * (blocks - len(r.blocks))
+    return [x for name in FIELDS for x in cols[name]] + tables

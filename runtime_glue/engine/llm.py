@@ -186,10 +186,18 @@ class LLM:
         caching = plan.deterministic if caching is None else caching
         logger.info("prefix caching %s", "on" if caching else "off")
         graphs = None
-        if self.args.step_graphs:
+        wanted = self.args.step_graphs
+        if wanted or (wanted is None and plan.mode == "fast"):  # --mode fast: on where they can
             from runtime_glue.engine.graphs import require_step_graphs
 
-            graphs = require_step_graphs(self.driver, plan)
+            try:
+                graphs = require_step_graphs(self.driver, plan)
+            except ValueError as exc:
+                if wanted:
+                    raise
+                note = f"step graphs off: {exc}".replace("--step-graphs: ", "")
+                logger.info("%s", note)
+                plan = attrs.evolve(plan, notes=(*plan.notes, note))
         self.engine = Engine(
             self.model,
             self.driver.device,
@@ -202,6 +210,9 @@ class LLM:
             shared_blocks=self.shared_blocks,
             speculative=self.speculative,
         )
+        if self.engine.graph_admission is not None:  # the graphs' check on this device
+            plan = attrs.evolve(plan, admissions=(*plan.admissions, self.engine.graph_admission))
+        self.plan = plan
         if self.speculative is not None:
             logger.info("%s", self.speculative.describe(self.config.total_ut_steps))
 

@@ -23,6 +23,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import Driver, KVStore
 from hal.shared_kv import select_metadata, write_kv
 from hal.types import AttentionMetadata
@@ -221,6 +222,15 @@ class OuroModel:
         return h
 
     @torch.inference_mode()
+    def loop(self, t: int, h, cos, sin, meta, rows: RowOps) -> torch.Tensor:
+        """Loop ``t``: every layer, then the final norm (the fused loop in ``--mode fast``).
+        Eager steps and captured step graphs both run a loop through here."""
+        if self.fused is not None:
+            return self.fused.loop(t, h, cos, sin, meta, rows)
+        for li in range(self.cfg.num_hidden_layers):
+            h = self.layer(t, li, h, cos, sin, meta, rows)
+        return rows("rms_norm", h, self.norm, self.cfg.rms_norm_eps)
+
     def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen loops' logits ``[R, vocab]`` (bf16) for ``step.sample_rows``, and the loop
         each row's logits came from (``[R]`` int64), both on the device."""
@@ -228,20 +238,21 @@ class OuroModel:
         rows = RowOps(self.kernels, step.prompt_rows if split else None)
         h = F.embedding(step.input_ids, self.embed)  # [N, H]
         cos, sin = self.rope(step.positions, step.max_position)
-        eps, T = self.cfg.rms_norm_eps, self.cfg.total_ut_steps
+        T = self.cfg.total_ut_steps
         modes = step.exit_modes or (ExitMode(),) * step.sample_rows.shape[0]
         gated = any(m.kind in ("threshold", "weighted") for m in modes)
         early = Adaptive.start(self, step, modes) if self.plan.adaptive_depth else None
         hs: list[torch.Tensor] = []  # h_t of the sampled rows, per loop
         gates: list[torch.Tensor] = []
-        meta = step.attention
+        meta: AttentionMetadata | StaticDecodeMetadata = step.attention
+        eager = step.attention
+        if self.fused is not None and early is None and eager.num_tokens == eager.num_requests:
+            # The fast plan's decode form, eager as in a step graph (hal.graphs): its bits
+            # do not depend on whether the step was replayed.
+            meta = StaticDecodeMetadata.bucketed(eager)
         for t in range(T):
-            if h.shape[0] and self.fused is not None:
-                h = self.fused.loop(t, h, cos, sin, meta, rows)
-            elif h.shape[0]:  # adaptive depth may have sent every row home
-                for li in range(self.cfg.num_hidden_layers):
-                    h = self.layer(t, li, h, cos, sin, meta, rows)
-                h = rows("rms_norm", h, self.norm, eps)
+            if h.shape[0]:  # adaptive depth may have sent every row home
+                h = self.loop(t, h, cos, sin, meta, rows)
             if early is not None and t < T - 1:
                 h, cos, sin, meta = early.after_loop(t, h, cos, sin, meta)
             sampled_h = (
