@@ -83,6 +83,9 @@ class CpuEagerBackend(EagerBackend):
     name = "cpu_eager"
     # Measured: the mode costs nothing here, or is faster (docs/benchmarks.md).
     deterministic_by_default = True
+    # No graph form: the cpu offers no step graphs, and its deterministic kernel reads each
+    # row's exact context (it takes no padded bucket).
+    step_graphs = False
 
     def __init__(self) -> None:
         self._kernel: bool | None = None  # decided at the first deterministic step

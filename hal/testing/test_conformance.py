@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hal.eager import paged_eager_attention
+from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend, Device, Driver, Fence, KVStore
 from hal.kernels import adversarial_rows, adversarial_weight, check_rows
 from hal.registry import Registry
@@ -125,6 +126,37 @@ def test_attention_is_within_the_stated_bound_of_float64(driver):
                 bound = ATTENTION_BOUND * float(v.abs().max())
                 what = f"{backend.name} (deterministic={deterministic}) plane {plane}"
                 assert err <= bound, f"{what}: {err:.4g} > {bound:.4g}"
+
+
+def test_a_backends_decode_form_reads_each_rows_own_context_within_the_bound(driver):
+    """A backend that claims ``step_graphs`` takes a decode-only step in its static form
+    (``hal.graphs.StaticDecodeMetadata``: each row's context bucket, spare table entries
+    repeating its first block, a mask past its length). Each row must stay within the bound
+    of float64 over exactly its own context (the padded positions hold other rows' finite K/V,
+    which a backend that ignored the mask would read); in deterministic mode it must give the
+    eager form's bits (padding-invariant by contract)."""
+    gen = torch.Generator().manual_seed(7)
+    kv = _filled_store(driver, gen)
+    dev = driver.device.torch_device
+    q = _rand(1, HEADS, 3, 32, gen=gen, scale=2.0).to(dev)
+    meta = _meta([(1, 11, [0]), (1, 30, [5, 2]), (1, 3, [4])], dev)
+    static = StaticDecodeMetadata.bucketed(meta)
+    assert static.context == 2 * LAYOUT.block_size  # a bucket wider than two rows' context
+    graphed = [b for b in (*_backends(driver), *driver.fused_backends.values()) if b.step_graphs]
+    for backend in graphed:
+        for deterministic in (False, True) if backend.supports_deterministic else (False,):
+            out = backend.forward(q, 1, kv, static, 32**-0.5, deterministic)
+            what = f"{backend.name} (deterministic={deterministic}) decode form"
+            for r in range(meta.num_requests):
+                _, _, ctx = meta.request(r)
+                k, v = kv.gather(1, meta.request_slots(r))
+                ref = attention_f64(q[:, :, r : r + 1].cpu(), k.cpu(), v.cpu(), 32**-0.5, ctx)
+                err = (out[r : r + 1].double().cpu() - ref).abs().max()
+                bound = ATTENTION_BOUND * float(v.abs().max())
+                assert err <= bound, f"{what}, row {r}: {err:.4g} > {bound:.4g}"
+            if deterministic:
+                eager = backend.forward(q, 1, kv, meta, 32**-0.5, True)
+                assert torch.equal(out.cpu(), eager.cpu()), f"{what}: not the eager form's bits"
 
 
 def test_hf_exact_backends_equal_the_shared_hf_order_bit_for_bit(driver):
