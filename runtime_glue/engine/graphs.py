@@ -337,7 +337,7 @@ def flatten(rows: list[Row], block_size: int, blocks: int, last: int) -> list[in
     cols: dict[str, list[int]] = {name: [] for name in FIELDS}
     tables: list[int] = []
     for r in rows:
-        mode = r.mode
+        mode = r.mode  # a fixed loop, a threshold, or the last loop
         for name, value in (
             ("ids", r.token),
             ("positions", r.position),
