@@ -1,0 +1,203 @@
+"""The engine's scheduling: which requests a step runs, how many of their tokens, with which
+pages (``runtime_glue.engine.core`` describes the rules: FCFS admission with the prefix cache,
+pages taken as tokens cross into them, the newest running request preempted when none can be
+had, prompt rows first). A mixin of :class:`runtime_glue.engine.core.Engine`, whose state it
+reads and changes; nothing else calls it. :class:`EngineConfig`: the budgets it schedules by."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from hal.shared_kv import check_kv_sharing
+from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.request import Request, Status
+from runtime_glue.engine.shared_blocks import SharedBlocks
+from runtime_glue.engine.speculative import Entry, Speculator
+
+
+@attrs.frozen
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+    prefill_chunk_size: int | None = None  # None: full prefill
+    enable_prefix_caching: bool = False
+    kv_sharing: str = "none"  # "last": generated positions keep L shared planes (hal.shared_kv)
+
+    def __attrs_post_init__(self) -> None:
+        check_kv_sharing(self.kv_sharing)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request can decode"
+            )
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+
+
+class Scheduling:
+    """Scheduling and page management of the engine's requests."""
+
+    config: EngineConfig
+    allocator: BlockAllocator
+    shared: SharedBlocks | None
+    speculator: Speculator | None
+    running: list[Request]
+    waiting: deque[Request]
+    stats: dict[str, int]
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        budget = self.config.max_num_batched_tokens
+        plan: list[tuple[Request, int]] = []
+        preemptions = self.stats["preemptions"]
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted for an older request in this loop
+            entry = self._entry(req)
+            n = self._chunk(req, budget) if entry is None else entry.n * (entry.n <= budget)
+            start = req.num_computed if entry is None else entry.ctx
+            if n and self._pages_for(req, start + n):
+                plan.append((req, n))
+                budget -= n
+        if self.stats["preemptions"] != preemptions:
+            return self._ordered(plan)  # the pool ran dry: admit no one this step
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break  # FCFS: later requests wait behind this one
+            n = self._chunk(req, budget)
+            if not n:
+                break
+            plan.append((req, n))
+            budget -= n
+        return self._ordered(plan)
+
+    def _ordered(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        # Prompt positions first: the execution plan may run them on other kernels than
+        # generated positions (runtime_glue.ouro.plan), and a step's prompt rows form one block.
+        # Drafting and verifying rows follow (runtime_glue.ouro.loops).
+        plan = [(r, n) for r, n in plan if r.status is Status.RUNNING]
+        return sorted(plan, key=lambda entry: Speculator.order(entry[0], self._entry(entry[0])))
+
+    def _entry(self, req: Request) -> Entry | None:
+        """The rows ``req`` drafts or verifies next; None for an ordinary step."""
+        return None if self.speculator is None else self.speculator.entry(req)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """How many of ``req``'s pending tokens this step computes (0: none fits). A chunk
+        never mixes prompt and generated positions: they may run on other kernels."""
+        start, chunk = req.num_computed, self.config.prefill_chunk_size
+        end = req.num_tokens if start >= len(req.prompt_ids) else len(req.prompt_ids)
+        pending = end - start
+        if self.shared is not None and start >= len(req.prompt_ids):
+            # Under kv sharing a generated position must see the earlier ones' last-loop K/V,
+            # which a chunk of them computed together does not have yet: one at a time.
+            return min(1, pending, budget)
+        if chunk is None and req.in_prefill:
+            return pending if pending <= budget else 0  # full prefill, or not this step
+        return min(pending, chunk or pending, budget)
+
+    def _needs(self, req: Request, tokens: int) -> tuple[int, int]:
+        """The prompt blocks and generated blocks ``req`` lacks for its first ``tokens``
+        positions (every block is a prompt block without kv sharing)."""
+        split = len(req.prompt_ids) if self.shared is not None else tokens
+        prompt = self.allocator.blocks_for(min(tokens, split)) - len(req.blocks)
+        generated = self.allocator.blocks_for(max(0, tokens - split)) - len(req.gen_blocks)
+        return max(0, prompt), max(0, generated)
+
+    def _take(self, req: Request, tokens: int) -> bool:
+        """Allocate the blocks ``req`` lacks for its first ``tokens`` positions: all or none."""
+        need, gen_need = self._needs(req, tokens)
+        pages = self.allocator.allocate(need) if need else []
+        if pages is None:
+            return False
+        if gen_need:
+            assert self.shared is not None
+            gen = self.shared.allocate(gen_need)
+            if gen is None:
+                self.allocator.free_after(pages, None)  # never used
+                return False
+            req.gen_blocks += gen
+        req.blocks += pages
+        return True
+
+    def _pages_for(self, req: Request, tokens: int) -> bool:
+        """Give ``req`` pages for its first ``tokens`` positions, preempting the newest running
+        requests while none can be had; False if ``req`` itself was preempted."""
+        while not self._take(req, tokens):
+            pending = self.allocator.num_pending + (self.shared.num_pending if self.shared else 0)
+            if pending:  # a finished request's pages, still fenced
+                if self.shared is not None:
+                    self.shared.reclaim(wait=True)
+                self.allocator.reclaim(wait=True)
+                if self._take(req, tokens):
+                    return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _release(self, req: Request) -> None:
+        if req.blocks:
+            self.allocator.free_after(req.blocks, req.last_fence)
+        if req.gen_blocks:
+            assert self.shared is not None
+            self.shared.free_after(req.gen_blocks, req.last_fence)
+        req.blocks, req.gen_blocks = [], []
+
+    def _preempt(self, req: Request) -> None:
+        """Release ``req``'s pages and queue it first, to be recomputed from its cached prefix."""
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed, req.registered = 0, 0
+        req.spec = None  # its drafts go; it is recomputed from its verified tokens
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+
+    def _admit(self, req: Request) -> bool:
+        """Start ``req`` with the pages of its prompt (and of its generated tokens, when it was
+        preempted): cached ones shared, the others fresh. False if they cannot be had now, or
+        only by leaving less than a page for each running request to grow into."""
+        cached: list[int] = []
+        if self.config.enable_prefix_caching:
+            # The last prompt token is always computed: its logits give the first new token.
+            usable = (len(req.prompt_ids) - 1) // self.allocator.block_size
+            cached = self.allocator.cached_prefix(req.block_hashes[:usable])
+            self.stats["prefix_cache_queries"] += usable * self.allocator.block_size
+        need, gen_need = self._needs(req, req.num_tokens)
+        need -= len(cached)
+        self.allocator.share(cached)  # before allocating, so none of them is evicted
+        fresh: list[int] | None = None
+        gen: list[int] | None = None
+        self.allocator.reclaim()
+        if self.shared is None and need + len(self.running) <= self.allocator.num_free:
+            fresh, gen = self.allocator.allocate(need), []
+        elif self.shared is not None and self.shared.fits(need, gen_need + len(self.running)):
+            fresh, gen = self.allocator.allocate(need), self.shared.allocate(gen_need)
+        if fresh is None or gen is None:
+            self.allocator.free_after(cached + (fresh or []), None)
+            if gen and self.shared is not None:
+                self.shared.free_after(gen, None)
+            return False
+        self.waiting.popleft()
+        req.blocks, req.gen_blocks = cached + fresh, gen
+        req.num_computed = req.registered = len(cached) * self.allocator.block_size
+        self.stats["prefix_cache_hits"] += req.num_computed
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return True
+
+    def _register_full_prompt_blocks(self, req: Request) -> None:
+        """Offer the prompt's blocks this step filled to the prefix cache."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.allocator.block_size
+        full = min(req.num_computed, len(req.prompt_ids)) // bs
+        for i in range(req.registered // bs, full):
+            self.allocator.register(req.blocks[i], req.block_hashes[i])
+        req.registered = max(req.registered, full * bs)
