@@ -343,8 +343,16 @@ def build_llm(
         caching = "on" if llm.engine.config.enable_prefix_caching else "off"
         spec = llm.speculative
         spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
+        verdict = llm.engine.graph_admission  # None: graphs not asked for
+        graphs_line = (
+            ""
+            if verdict is None
+            else f"; step graphs {verdict.kernel} "
+            + ("admitted" if verdict.admitted else f"refused ({verdict.why})")
+        )
         print(
-            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}",
+            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
+            f"{graphs_line}",
             file=sys.stderr,
         )
         print(llm.kv_summary, file=sys.stderr)
