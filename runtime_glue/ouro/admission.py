@@ -133,8 +133,9 @@ def _rotary_verdicts(kernel: Kernel, pairs, c, s):
 def check_attention_backend(
     backend: AttentionBackend, driver: Driver, cfg: OuroConfig, block_size: int
 ) -> Admission:
-    """A prefill chunk after cached context and two decode rows, over a paged cache: the
-    verdict (refused, saying why, where the backend cannot run at these shapes)."""
+    """A prefill chunk after cached context beside two decode rows, then decode rows alone
+    (in the decode form when the backend has one), over a paged cache: the verdict (refused,
+    saying why, where the backend cannot run at these shapes)."""
     trial = functools.partial(_attention_trial, backend, driver, cfg, block_size)
     return _guarded("attention", backend.name, trial)
 
