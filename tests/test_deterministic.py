@@ -184,7 +184,7 @@ def test_a_cached_choice_that_fails_the_start_up_check_is_measured_again(
     shapes.add(1)  # the library changed under the cache: now a one-row call differs
     again = LLM(tiny_ckpt, deterministic=True, **kw).plan
     assert again.choice("prompt", "qkv_proj").tiles[0] == 2
-    assert "timings measured now" in again.notes[-1]
+    assert "measured now (the choice recorded in" in again.notes[-1]
 
 
 def test_the_check_finds_a_summation_order_that_differs_in_one_call_shape():

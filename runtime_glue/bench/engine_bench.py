@@ -25,7 +25,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 def machine() -> dict:
     """Where a figure was measured, with the CPU flags that decide which kernels are fastest."""
-    from runtime_glue.ouro.resolve import machine_fingerprint
+    from runtime_glue.ouro.plan_record import machine_fingerprint
 
     fingerprint = machine_fingerprint()
     flags = set(fingerprint.get("flags", "").split())

@@ -134,6 +134,13 @@ class EngineArgs:
         "backend's choice)",
         choices=["fast", "deterministic", "hf-exact"],
     )
+    remeasure_plan: bool = cli_field(
+        False,
+        "time the kernels again and record the new choice for this machine and model shape; "
+        "otherwise deterministic mode reuses the recorded one (a new choice can change a "
+        "request's bits: rlt-hal plan shows the choice, where it is recorded and when)",
+        action="store_true",
+    )
     exit_threshold: float | None = cli_field(
         None,
         "default exit threshold of Ouro's gate for requests that choose none (in (0, 1]; "

@@ -168,6 +168,7 @@ class LLM:
             args.adaptive_depth,
             mode=args.mode,
             block_size=args.block_size,
+            remeasure=args.remeasure_plan,
         )
         if args.mode == "fast" and not plan.admissions:
             from runtime_glue.ouro.admission import nothing_to_admit

@@ -1,28 +1,23 @@
-"""Resolving the execution plan (``runtime_glue.ouro.plan``): the start-up checks, the timings and
-their cache.
+"""Resolving the execution plan (``runtime_glue.ouro.plan``): the start-up checks and the timings.
 
 Where several kernels pass, :func:`resolve` times them at the op's real shapes and row counts
 (prefill rows for the prompt kind, decode rows for the generated kind) and keeps the one
-whose worst ratio to the fastest is smallest. Timings are cached per machine, model shape
-and kernel version under ``$RLT_HAL_CACHE/plans``; the start-up check is never cached.
+whose worst ratio to the fastest is smallest. The choice is recorded per machine, model shape
+and plan flags (``runtime_glue.ouro.plan_record``) and reused by every later engine: timings
+move with the machine's load, and a request's bits must not. The start-up check is never
+recorded: a recorded choice that fails it is measured again, and the plan says so.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import attrs
 import torch
 
-from hal.cache import cache_dir
 from hal.eager import TensorKVStore
 from hal.interfaces import AttentionBackend, Driver
 from hal.kernels import Kernel, adversarial_rows, adversarial_weight, check_rows
@@ -43,16 +38,13 @@ from runtime_glue.ouro.plan import (
     row_function,
     tile_sets,
 )
+from runtime_glue.ouro.plan_record import PlanRecord, Recorded, now
 
 logger = logging.getLogger(__name__)
 
 
 class DeterminismUnavailable(RuntimeError):
     """No offered kernel keeps deterministic mode's guarantee for some op here."""
-
-
-class StaleTrials(RuntimeError):
-    """A kernel chosen from cached trials failed the start-up check: the cache is out of date."""
 
 
 @attrs.define
@@ -168,67 +160,6 @@ def _best(trials: dict[str, _Trial]) -> str:
     return min(timed, key=lambda k: (worst[k], sum(timed[k].values())))
 
 
-class _TrialCache:
-    """Trials on disk, keyed by everything that can change a kernel's bits or speed."""
-
-    def __init__(self, driver: Driver, cfg: OuroConfig, fresh: bool) -> None:
-        key = {
-            "machine": machine_fingerprint(),
-            "driver": driver.label,
-            "kernels": [(k.op, k.name, k.version) for k in driver.kernels],
-            "config": attrs.asdict(cfg),
-            "tiles": [PROMPT_TILE, GENERATED_TILE],
-        }
-        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
-        self.path = cache_dir() / "plans" / f"{driver.name}-{digest.hexdigest()[:16]}.json"
-        self.trials: dict[str, dict] = {}
-        self.loaded = False
-        if self.path.is_file() and not fresh:
-            try:
-                self.trials = json.loads(self.path.read_text())
-                self.loaded = True
-            except (OSError, json.JSONDecodeError):
-                self.trials = {}
-
-    def get(self, key: str) -> _Trial | None:
-        raw = self.trials.get(key)
-        if raw is None:
-            return None
-        tiles = tuple(raw["tiles"]) if raw["tiles"] is not None else None
-        return _Trial(tiles, raw["why"], tuple((int(r), s) for r, s in raw["seconds"]))
-
-    def put(self, key: str, trial: _Trial) -> None:
-        self.trials[key] = {"tiles": trial.tiles, "why": trial.why, "seconds": trial.seconds}
-
-    def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.trials, indent=1, sort_keys=True))
-        tmp.replace(self.path)
-
-
-def machine_fingerprint() -> dict:
-    """What decides which code paths a library takes here: CPU model and flags, torch, the
-    thread count and the variables that cap an instruction set."""
-    cpu = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() in ("model name", "flags") and name.strip() not in cpu:
-                cpu[name.strip()] = value.strip()
-    except OSError:
-        cpu["processor"] = platform.processor()
-    env = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_CBWR")
-    return {
-        **cpu,
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "torch_capability": torch.backends.cpu.get_cpu_capability(),
-        "threads": torch.get_num_threads(),
-        **{v: os.environ.get(v) for v in env},
-    }
-
-
 def check_attention(backend: AttentionBackend, cfg: OuroConfig, device) -> str | None:
     """None if the backend's deterministic mode gives each query row the same bits alone, in
     a chunk, and beside another request, for this model's heads; else what differed.
@@ -273,6 +204,7 @@ def resolve(
     adaptive_depth: bool = False,
     mode: str | None = None,
     block_size: int = 128,
+    remeasure: bool = False,
 ) -> ExecutionPlan:
     """The plan for this model on this driver.
 
@@ -286,6 +218,8 @@ def resolve(
     every projection; by default the fastest that keeps the mode. ``exit_at_step`` and
     ``exit_threshold`` are the exit defaults of requests that choose none (else the
     checkpoint's); ``adaptive_depth`` lets exiting decode rows skip their remaining loops.
+    ``remeasure``: time the kernels again and record the new choice instead of reusing the
+    one recorded for this machine, shape and flags (``runtime_glue.ouro.plan_record``).
     """
     exits = _exit_defaults(cfg, exit_at_step, exit_threshold)
     deterministic = mode_to_deterministic(mode, deterministic)
@@ -294,7 +228,7 @@ def resolve(
 
         plan = fast_plan(driver, cfg, weights, attention, linear, block_size)
     else:
-        plan = _resolve_kernels(driver, cfg, weights, attention, deterministic, linear)
+        plan = _resolve_kernels(driver, cfg, weights, attention, deterministic, linear, remeasure)
     return attrs.evolve(
         plan,
         exit_defaults=exits,
@@ -328,7 +262,9 @@ def _exit_defaults(cfg: OuroConfig, step: int | None, threshold: float | None) -
     return ExitMode(cfg.early_exit_step, cfg.early_exit_threshold)
 
 
-def _resolve_kernels(driver, cfg, weights, attention, deterministic, linear) -> ExecutionPlan:
+def _resolve_kernels(
+    driver, cfg, weights, attention, deterministic, linear, remeasure
+) -> ExecutionPlan:
     backend = driver.backend(attention)
     if linear is not None:
         kernel = driver.kernel("linear", linear)
@@ -341,11 +277,7 @@ def _resolve_kernels(driver, cfg, weights, attention, deterministic, linear) -> 
     if not backend.supports_deterministic:
         raise ValueError(f"attention backend {backend.name!r} does not support deterministic mode")
     try:
-        try:
-            return _deterministic_plan(driver, backend, cfg, weights, linear)
-        except StaleTrials as exc:
-            logger.warning("measuring again: %s", exc)
-            return _deterministic_plan(driver, backend, cfg, weights, linear, fresh=True)
+        return _deterministic_plan(driver, backend, cfg, weights, linear, remeasure)
     except DeterminismUnavailable as exc:
         if deterministic:
             raise
@@ -378,13 +310,49 @@ def _candidates(driver: Driver, op: str, linear: str | None) -> tuple[list[Kerne
     return usable, notes
 
 
-def _deterministic_plan(driver, backend, cfg, weights, linear, fresh=False) -> ExecutionPlan:
+def _deterministic_plan(driver, backend, cfg, weights, linear, remeasure) -> ExecutionPlan:
+    """The recorded choice for this machine, shape and flags if it still passes the start-up
+    check; else (or with ``remeasure``) a choice measured now, and recorded."""
     device = driver.device.torch_device
     why = check_attention(backend, cfg, device)
     if why is not None:
         raise DeterminismUnavailable(why)
     ops = _model_ops(cfg, weights, device)
-    cache = _TrialCache(driver, cfg, fresh)
+    record = PlanRecord(driver, cfg, backend.name, linear)
+    with record.locked():
+        recorded = None if remeasure else record.load()
+        if recorded is not None:
+            stale = _recheck(recorded.chosen, ops, driver)  # never a recorded verdict
+            if stale is None:
+                note = f"kernels as recorded in {record.path} ({recorded.when})"
+                return _plan(backend, recorded, (*recorded.notes, note))
+            logger.warning(
+                "the recorded plan failed its start-up check, measuring again: %s", stale
+            )
+            why = f"the choice recorded in {record.path} failed its start-up check ({stale})"
+        else:
+            why = "asked to (--remeasure-plan)" if remeasure else "none recorded"
+        recorded = _measure(driver, ops, linear)
+        record.save(recorded)
+    note = f"kernels measured now ({why}; {recorded.when}) and recorded in {record.path}"
+    return _plan(backend, recorded, (*recorded.notes, note))
+
+
+def _plan(backend, recorded: Recorded, notes: tuple[str, ...]) -> ExecutionPlan:
+    return ExecutionPlan(
+        "deterministic",
+        backend.name,
+        stacked=True,
+        prompt=tuple(recorded.chosen["prompt"].items()),
+        generated=tuple(recorded.chosen["generated"].items()),
+        measurements=recorded.measurements,
+        notes=notes,
+    )
+
+
+def _measure(driver: Driver, ops: dict[str, _Op], linear: str | None) -> Recorded:
+    """Each op's kernel for each row kind: of those that pass the start-up check, the fastest
+    by ``_best``, timed here and now."""
     chosen: dict[str, dict[str, OpChoice]] = {kind: {} for kind in KINDS}
     measured: list[Measurement] = []
     notes: list[str] = []
@@ -392,7 +360,7 @@ def _deterministic_plan(driver, backend, cfg, weights, linear, fresh=False) -> E
         for op in OPS:
             kernels, skipped = _candidates(driver, op, linear)
             notes += [n for n in skipped if n not in notes]
-            trials = _trials(ops[op], kind, kernels, cache, driver.device.synchronize)
+            trials = _trials(ops[op], kind, kernels, driver.device.synchronize)
             passed = {k: t for k, t in trials.items() if t.tiles is not None}
             if not passed:
                 tried = "; ".join(f"{k}: {t.why}" for k, t in trials.items()) or "none usable"
@@ -404,55 +372,32 @@ def _deterministic_plan(driver, backend, cfg, weights, linear, fresh=False) -> E
             chosen[kind][op] = OpChoice(best, passed[best].tiles or ())
             for name, t in passed.items():
                 measured += [Measurement(op, kind, name, r, s) for r, s in t.seconds]
-    if cache.loaded:
-        _recheck(chosen, ops, driver)  # cached timings, but never a cached verdict
-    cache.save()
-    notes.append(f"timings {'from ' + str(cache.path) if cache.loaded else 'measured now'}")
-    return ExecutionPlan(
-        "deterministic",
-        backend.name,
-        stacked=True,
-        prompt=tuple(chosen["prompt"].items()),
-        generated=tuple(chosen["generated"].items()),
-        measurements=tuple(measured),
-        notes=tuple(notes),
-    )
+    return Recorded(chosen, tuple(measured), tuple(notes), now())
 
 
 SLOWER = 3.0  # a kernel this many times slower than the fastest at first is not tried further
 
 
-def _trials(op: _Op, kind: str, kernels: list[Kernel], cache, sync) -> dict[str, _Trial]:
-    """A trial of each kernel for ``op`` on ``kind`` rows, from the cache where it holds one.
+def _trials(op: _Op, kind: str, kernels: list[Kernel], sync) -> dict[str, _Trial]:
+    """A trial of each kernel for ``op`` on ``kind`` rows.
 
     Kernels more than ``SLOWER`` times slower than the fastest at the first timed row count
     are tried only if none of the others passes the check.
     """
     largest = _tile_max(kind, op.name)
     rows = _timing_rows(kind, op.name)
-    prefix = f"{op.name}/{largest}/{list(rows)}"
     first: dict[str, float] = {}
     if len(kernels) > 1:
         for k in kernels:
-            cached = cache.get(f"{prefix}/{k.name}")
             fn = row_function(op.name, k, tile_sets(largest)[0])
-            first[k.name] = (
-                dict(cached.seconds).get(rows[0], 0.0)
-                if cached and cached.tiles
-                else _median_seconds(op.timing_call(fn, rows[0]), sync)
-            )
+            first[k.name] = _median_seconds(op.timing_call(fn, rows[0]), sync)
     fastest = min(first.values(), default=0.0)
     order = sorted(kernels, key=lambda k: first.get(k.name, 0.0) > SLOWER * fastest)
     trials: dict[str, _Trial] = {}
     for k in order:
         if first.get(k.name, 0.0) > SLOWER * fastest and any(t.tiles for t in trials.values()):
             continue
-        key = f"{prefix}/{k.name}"
-        trial = cache.get(key)
-        if trial is None:
-            trial = _try_kernel(op, k, largest, rows, sync)
-            cache.put(key, trial)
-        trials[k.name] = trial
+        trials[k.name] = _try_kernel(op, k, largest, rows, sync)
     return trials
 
 
@@ -460,12 +405,19 @@ def _shape(op: _Op) -> str:
     return str(list(op.weight.shape)) if op.weight is not None else f"[rows, {op.width}]"
 
 
-def _recheck(chosen, ops: dict[str, _Op], driver: Driver) -> None:
-    """The start-up check of the chosen kernels when their trials came from the cache."""
+def _recheck(chosen, ops: dict[str, _Op], driver: Driver) -> str | None:
+    """The start-up check of recorded choices: None if every one still passes, else what
+    failed (a library or kernel that changed under the record)."""
     for kind, choices in chosen.items():
         for op, c in choices.items():
-            kernel = driver.kernel(hal_op(op), c.kernel)
+            try:
+                kernel = driver.kernel(hal_op(op), c.kernel)
+            except ValueError as exc:
+                return f"{op}: {exc}"
+            if kernel.available() is not None:
+                return f"{op} {c.kernel} cannot run here: {kernel.available()}"
             apply, x = ops[op].check_call(row_function(op, kernel, c.tiles), 2 * c.tiles[-1])
             why = check_rows(apply, x, c.tiles)
             if why is not None:
-                raise StaleTrials(f"{op} {_shape(ops[op])} with {c.kernel} ({kind} rows): {why}")
+                return f"{op} {_shape(ops[op])} with {c.kernel} ({kind} rows): {why}"
+    return None
