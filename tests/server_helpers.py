@@ -22,8 +22,10 @@ class ServerProcess:
     def __init__(self, model_dir, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        env.pop("RLT_HAL_NPU_EMULATE", None)
+        given = env or {}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **given}
+        if "RLT_HAL_NPU_EMULATE" not in given:  # the emulated npu only where a test asks
+            env.pop("RLT_HAL_NPU_EMULATE", None)
         cmd = [
             sys.executable,
             "-m",

@@ -21,7 +21,6 @@ from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import InvalidRequest
 from runtime_glue.engine.llm import build_llm
 from runtime_glue.engine.request import RequestOutput
-from runtime_glue.engine.tokenizer import load_tokenizer
 from runtime_glue.server import DEFAULT_MAX_REQUEST_BYTES
 from runtime_glue.server.args import ServerArgs
 from runtime_glue.server.engine_loop import EngineFailed, EngineLoop
@@ -33,6 +32,7 @@ from runtime_glue.server.protocol import (
     error_body,
 )
 from runtime_glue.server.routes import chat_response, completion_response
+from runtime_glue.server.tokenizing import Tokenizing
 
 
 def _json_error(status, message, type_="invalid_request_error", param=None, code=None):
@@ -50,6 +50,7 @@ class Server:
             api_key=options.api_key,
             default_max_tokens=options.default_max_tokens,
             max_request_bytes=options.max_request_bytes,
+            shutdown_timeout=options.shutdown_timeout,
         )
 
     def __init__(
@@ -59,11 +60,11 @@ class Server:
         api_key: str | None = None,
         default_max_tokens: int = 16,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        shutdown_timeout: float = 10.0,
     ) -> None:
         self.llm = llm
-        # The engine thread decodes with llm.tokenizer; a fast tokenizer must not be used from
-        # two threads at once ("Already borrowed"), so handlers encode with their own copy.
-        self.tokenizer = load_tokenizer(llm.model_dir)
+        self.tokenizing = Tokenizing(llm.model_dir)  # off the event loop, bounded
+        self.shutdown_timeout = shutdown_timeout
         self.model_name = served_model_name
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
@@ -90,6 +91,8 @@ class Server:
 
     def prepare(self, body, prompt_ids: list[int]):
         self.loop.check()  # a dead engine answers 503 before a response (or stream) begins
+        if self.loop.draining:
+            raise ApiError(503, "the server is shutting down", "server_error")
         if body.model != self.model_name:
             raise ApiError(
                 404,
@@ -110,18 +113,23 @@ class Server:
             raise ApiError(400, str(exc), param=exc.param) from None
         return params
 
-    def completion_ids(self, body: CompletionRequest) -> list[int]:
+    async def prompt_ids(self, body) -> list[int]:
+        """The request's prompt as token ids, tokenized (and templated) on a pool thread."""
+        if isinstance(body, ChatCompletionRequest):
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            size = sum(len(str(m.get("content", ""))) for m in messages)
+            return await self.tokenizing.run(size, lambda tok: _chat_ids(tok, messages))
         prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
-
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return await self.tokenizing.run(
+            len(prompt), lambda tok: tok.encode(prompt, add_special_tokens=False)
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def begin_shutdown(self) -> None:
+        """SIGINT/SIGTERM: admit nothing more; what runs gets ``shutdown_timeout`` seconds,
+        then a 503 (``EngineLoop.drain``)."""
+        self.loop.drain(self.shutdown_timeout)
 
     # -- running a request -----------------------------------------------------------------
 
@@ -155,12 +163,18 @@ class Server:
                 self.loop.abort(rid)
 
 
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def build_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.loop.start()
         yield
         server.loop.stop()
+        server.tokenizing.shutdown()
 
     app = FastAPI(title="rlt-hal", version="0.1.0", lifespan=lifespan)
     _install_error_handlers(app)
@@ -262,24 +276,25 @@ def _install_routes(app: FastAPI, server: Server) -> None:
             ],
         }
 
-    async def handle(body, request: Request, ids_of, respond, prefix: str):
+    async def handle(body, request: Request, respond, prefix: str):
         server.check_auth(request)
-        ids = ids_of(body)
+        ids = await server.prompt_ids(body)
         params = server.prepare(body, ids)
         return await respond(server, body, ids, params, request, f"{prefix}-{uuid.uuid4().hex}")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await handle(body, request, server.completion_ids, completion_response, "cmpl")
+        return await handle(body, request, completion_response, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await handle(body, request, server.chat_ids, chat_response, "chatcmpl")
+        return await handle(body, request, chat_response, "chatcmpl")
 
 
 def run(engine: EngineArgs, options: ServerArgs) -> int:
     """``rlt-hal serve`` on one device: uvicorn on ``host:port`` until SIGINT/SIGTERM, then the
-    in-flight requests get ``shutdown_timeout`` seconds to finish."""
+    in-flight requests get ``shutdown_timeout`` seconds to finish, and those still running a
+    503 ("the server is shutting down")."""
     import uvicorn
 
     options.check_single()
@@ -295,11 +310,20 @@ def run(engine: EngineArgs, options: ServerArgs) -> int:
         host=options.host,
         port=options.port,
         log_level="info",
-        timeout_graceful_shutdown=options.shutdown_timeout,  # type: ignore[arg-type]
+        # The engine loop answers what is left at shutdown_timeout (a 503 each); uvicorn
+        # cancels handlers only if that did not end them a few seconds later.
+        timeout_graceful_shutdown=options.shutdown_timeout + 5,  # type: ignore[arg-type]
     )
     # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal to the handler that was
     # installed before it; a no-op one there turns a graceful shutdown into exit status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run()
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # the first signal begins our drain too
+            if not self.should_exit:
+                server.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    Uvicorn(config).run()
     return 0

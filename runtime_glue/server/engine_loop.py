@@ -33,12 +33,15 @@ class EngineFailed(ApiError):
 class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.metrics = Metrics(engine.allocator.num_blocks, engine.model.cfg.total_ut_steps)
+        usable = engine.allocator.num_blocks - len(engine.reserved_blocks)  # less graph scratch
+        self.metrics = Metrics(usable, engine.model.cfg.total_ut_steps)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlt-hal-engine", daemon=True)
         self.failure: EngineFailed | None = None  # set once, if the loop dies
+        self.draining = False  # shutting down: nothing new is admitted
+        self._deadline: float | None = None  # then: when what still runs is ended
 
     def check(self) -> None:
         """Raise ``EngineFailed`` if the loop has died (health checks, request handlers)."""
@@ -52,6 +55,13 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
+
+    def drain(self, timeout: float) -> None:
+        """Admit nothing more; requests still running ``timeout`` seconds from now are ended,
+        their handlers answered with ``None`` (a 503: the server is shutting down)."""
+        self.draining = True
+        self._deadline = time.monotonic() + timeout
+        self._commands.put(("wake",))
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """Queue a request; returns the asyncio queue its outputs arrive on."""
@@ -83,13 +93,21 @@ class EngineLoop:
     def _serve(self) -> None:
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_unfinished())
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                self._end_all()
             if self.engine.has_unfinished():
                 for out in self.engine.step():
                     self._deliver(out)
             self._snapshot()
-        for rid in list(self.engine.requests):  # shutting down: end what is left
+        self._end_all()
+
+    def _end_all(self) -> None:
+        """Shutting down: end what is left; each handler answers 503."""
+        for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
             self._finish_metrics("abort")
+            self._send(rid, None)
+        for rid in list(self._sinks):  # queued, not yet added
             self._send(rid, None)
         self._snapshot()
 
@@ -154,7 +172,8 @@ class EngineLoop:
         self.metrics.free_blocks.set(eng.num_free_blocks)
         self.metrics.cached_blocks.set(eng.allocator.num_cached)
         homes = len(eng.shared.homes) if eng.shared is not None else 0
-        self.metrics.blocks_in_use.labels("prompt").set(eng.allocator.num_in_use - homes)
+        prompt_blocks = eng.allocator.num_in_use - homes - len(eng.reserved_blocks)
+        self.metrics.blocks_in_use.labels("prompt").set(prompt_blocks)
         generated = eng.shared.num_in_use if eng.shared is not None else 0
         self.metrics.blocks_in_use.labels("generated").set(generated)
         self.metrics.sync_counters(eng.stats)
