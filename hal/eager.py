@@ -13,7 +13,6 @@ import torch
 
 from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend, KVStore
-from hal.shared_kv import request_kv
 from hal.types import AttentionMetadata, KVLayout
 
 
@@ -78,7 +77,7 @@ def paged_attention(
     for r in range(meta.num_requests):
         start, q_len, context_len = meta.request(r)
         q = query[:, :, start : start + q_len, :]
-        k, v = request_kv(kv, plane, meta, r)  # one region, or prompt + shared (kv sharing)
+        k, v = kv.gather(plane, meta.request_slots(r))
         if deterministic:
             row_invariant_attention(q, k, v, scaling, context_len, out[start : start + q_len])
             continue
@@ -211,24 +210,16 @@ class TensorKVStore(KVStore):
     def _write_rows(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
         cache.index_put_((slots,), rows)
 
+    def rows(self, cache: torch.Tensor, plane: int = 0) -> torch.Tensor:
+        """``cache`` as ``[rows, kv_heads, d]`` from plane ``plane`` on: slot ``s`` of that
+        plane is row ``s``, later planes follow (a view, no copy)."""
+        return cache.view(-1, *cache.shape[2:])[plane * self.layout.num_slots :]
+
     def write(self, plane, key, value, slots):
-        self._write_rows(self.key_cache[plane], slots, key)
-        self._write_rows(self.value_cache[plane], slots, value)
+        self._write_rows(self.rows(self.key_cache, plane), slots, key)
+        self._write_rows(self.rows(self.value_cache, plane), slots, value)
 
     def gather(self, plane, slots):
-        k = self.key_cache[plane].index_select(0, slots)  # [len, kv_heads, d]
-        v = self.value_cache[plane].index_select(0, slots)
-        return k.transpose(0, 1).contiguous()[None], v.transpose(0, 1).contiguous()[None]
-
-    def rows(self, cache: torch.Tensor) -> torch.Tensor:
-        """``cache`` as ``[planes * slots, kv_heads, d]``: rows by store-wide address."""
-        return cache.view(-1, *cache.shape[2:])
-
-    def write_at(self, addresses, key, value):
-        self._write_rows(self.rows(self.key_cache), addresses, key)
-        self._write_rows(self.rows(self.value_cache), addresses, value)
-
-    def gather_at(self, addresses):
-        k = self.rows(self.key_cache).index_select(0, addresses)
-        v = self.rows(self.value_cache).index_select(0, addresses)
+        k = self.rows(self.key_cache, plane).index_select(0, slots)  # [len, kv_heads, d]
+        v = self.rows(self.value_cache, plane).index_select(0, slots)
         return k.transpose(0, 1).contiguous()[None], v.transpose(0, 1).contiguous()[None]

@@ -139,13 +139,15 @@ class StaticDecodeMetadata:
         return cls(block_size, slot_mapping, block_tables, seq_lens, slots, masked)
 
     @classmethod
-    def bucketed(cls, meta) -> StaticDecodeMetadata:
+    def bucketed(cls, meta, width: int | None = None) -> StaticDecodeMetadata:
         """The static form of an eager decode-only step (``hal.types.AttentionMetadata`` with one
-        query row per request): each row's context bucket, spare table entries repeating its
-        first block. A plan that runs decode steps in this form eagerly too (``--mode fast``)
-        gives a step the same ops and arguments whether it is replayed or not."""
+        query row per request): the step's context bucket (``width`` blocks, by default its
+        rows' own), spare table entries repeating each row's first block. A plan that runs
+        decode steps in this form eagerly too (``--mode fast``) gives a step the same ops and
+        arguments whether it is replayed or not."""
         bs, tables = meta.block_size, meta.block_tables
-        width = context_bucket(max(-(-(c + 1) // bs) for c in meta.host_context_lens))
+        if width is None:
+            width = context_bucket(max(-(-(c + 1) // bs) for c in meta.host_context_lens))
         cols = torch.arange(width, device=tables.device)
         picked = tables[:, cols.clamp(max=tables.shape[1] - 1)].long()
         used = (meta.seq_lens[:, None].long() + bs - 1) // bs

@@ -103,7 +103,10 @@ class Device(abc.ABC):
 class KVStore(abc.ABC):
     """One paged cache holding ``layout.num_planes`` (= T * L) planes of K and V.
 
-    Slot ``s`` of a plane is token ``s % block_size`` of block ``s // block_size``.
+    Slot ``s`` of a plane is token ``s % block_size`` of block ``s // block_size``. Slots count
+    from the start of the plane named, and may reach past it: slot ``s`` of plane ``p`` is the
+    store's row ``p * num_slots + s`` (``hal.types.KVAddressing`` addresses every loop of a
+    layer from the layer's first plane so). A store must accept any such slot.
     """
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
@@ -119,15 +122,6 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def gather(self, plane: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the rows at ``slots`` as contiguous ``[1, kv_heads, len(slots), head_dim]``."""
-
-    # Decode KV sharing (hal.shared_kv) addresses rows across planes: address = plane * S + slot.
-    def write_at(self, addresses: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store ``key``/``value`` rows at store-wide ``addresses`` (``[N]``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support --kv-sharing last")
-
-    def gather_at(self, addresses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read the rows at store-wide ``addresses``, as :meth:`gather` does."""
-        raise NotImplementedError(f"{type(self).__name__} does not support --kv-sharing last")
 
 
 class AttentionBackend(abc.ABC):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -57,8 +58,11 @@ class AttentionMetadata:
     ``host_query_start_loc`` and ``host_context_lens`` hold the same bounds on the host, for
     backends that loop over requests: reading them never waits for the device.
 
-    ``shared``: under decode KV sharing, where each position's K/V lives (``hal.shared_kv``):
-    the block tables then cover prompt positions only, and generated ones live in shared planes.
+    Slots and block ids count from the start of the plane a backend is called with, and may
+    reach past it into later planes: slot ``s`` of plane ``p`` is row ``p * num_slots + s`` of
+    the store (``KVStore.rows``), block ``b`` its block ``p * num_blocks + b``. That is how one
+    step's addressing reaches every (loop, layer) plane with ordinary tables
+    (:class:`KVAddressing`): a backend never needs to know why a block lies where it does.
     """
 
     block_size: int
@@ -69,7 +73,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [R + 1] int32
     host_query_start_loc: tuple[int, ...]
     host_context_lens: tuple[int, ...]
-    shared: SharedRegion | None = None
     _slots: dict = attrs.field(factory=dict, init=False, repr=False)
 
     @property
@@ -88,11 +91,6 @@ class AttentionMetadata:
     def request_slots(self, r: int) -> torch.Tensor:
         """Slots of positions ``0 .. seq_len - 1`` of request ``r`` (int64, on the device):
         the gather index of eager backends, derived once per step from the block table."""
-        if self.shared is not None:
-            raise RuntimeError(
-                "a kv-sharing step has no per-plane slots: read a request's K/V with "
-                "hal.shared_kv.request_kv"
-            )
         if r not in self._slots:
             start, n, ctx = self.request(r)
             blocks = -(-(ctx + n) // self.block_size)
@@ -103,8 +101,6 @@ class AttentionMetadata:
 
     def select(self, requests: Sequence[int]) -> AttentionMetadata:
         """The metadata of some of the step's requests (their rows renumbered from 0)."""
-        if self.shared is not None:  # hal.types depends on nothing else of the HAL
-            raise ValueError("under kv sharing, select with hal.shared_kv.select_metadata")
         device = self.block_tables.device
         rows: list[int] = []
         starts, ctx = [0], []
@@ -157,35 +153,43 @@ class AttentionMetadata:
             tuple(ctx_lens),
         )
 
+    _TENSORS = ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc")
+
     def to(
         self, device: torch.device | str, *extra: torch.Tensor, pin: bool = False
     ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
         """This metadata and ``extra`` host tensors (a step's token ids...) on ``device``,
         moved with one host-to-device copy: ``(metadata, [extra...])``."""
-        names = ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc")
-        mine = [getattr(self, n) for n in names]
-        if torch.device(device).type == "cpu":
-            return self, list(extra)
-        parts = [t.reshape(-1).long() for t in (*mine, *extra)]
-        host = torch.cat(parts)
-        if pin:
-            host = host.pin_memory()
-        flat = host.to(device, non_blocking=pin)
-        moved, at = [], 0
-        for t in (*mine, *extra):
-            moved.append(flat[at : at + t.numel()].view(t.shape).to(t.dtype))
-            at += t.numel()
-        slots, tables, seq_lens, ctx_lens, starts = moved[: len(names)]
-        meta = attrs.evolve(
+        mine = [getattr(self, n) for n in self._TENSORS]
+        moved = move_tensors([*mine, *extra], device, pin)
+        return self._with(moved[: len(mine)]), moved[len(mine) :]
+
+    def _with(self, t: list[torch.Tensor]) -> AttentionMetadata:
+        return attrs.evolve(
             self,
-            slot_mapping=slots,
-            block_tables=tables,
-            seq_lens=seq_lens,
-            context_lens=ctx_lens,
-            query_start_loc=starts,
-            shared=None if self.shared is None else self.shared.to(device),
+            slot_mapping=t[0],
+            block_tables=t[1],
+            seq_lens=t[2],
+            context_lens=t[3],
+            query_start_loc=t[4],
         )
-        return meta, moved[len(names) :]
+
+
+def move_tensors(
+    tensors: Sequence[torch.Tensor], device: torch.device | str, pin: bool = False
+) -> list[torch.Tensor]:
+    """Host tensors on ``device`` with one host-to-device copy (each keeps its dtype)."""
+    if torch.device(device).type == "cpu":
+        return list(tensors)
+    host = torch.cat([t.reshape(-1).long() for t in tensors])
+    if pin:
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=pin)
+    moved, at = [], 0
+    for t in tensors:
+        moved.append(flat[at : at + t.numel()].view(t.shape).to(t.dtype))
+        at += t.numel()
+    return moved
 
 
 def check_slot_mapping(slots: Sequence[int], num_slots: int | None) -> None:
@@ -198,51 +202,65 @@ def check_slot_mapping(slots: Sequence[int], num_slots: int | None) -> None:
         raise IndexError("slot mapping writes one slot twice in a step")
 
 
-# (query_len, context_len, prompt block ids, prompt length, generated block ids)
-SharedRequest = tuple[int, int, Sequence[int], int, Sequence[int]]
-
-
 @attrs.frozen(eq=False)
-class SharedRegion:
-    """(``hal.shared_kv`` builds and reads it.) The per-step addressing of a step's requests under decode KV sharing (see the module
-    docstring). ``row_*`` are per row of the step (where its new K/V goes), ``kv_*`` per
-    position ``0 .. seq_len - 1`` of every request back to back (where it reads its keys
-    from); request ``r``'s positions are ``kv_start[r] : kv_start[r + 1]``."""
+class KVAddressing:
+    """Where one step's rows write and read their K/V at every (loop, layer) plane: the plane
+    a backend is called with for loop ``t`` and layer ``l``, and the metadata of loop ``t``.
+
+    With one metadata (every loop addressed alike), loop ``t`` of layer ``l`` is plane
+    ``t * layers + l`` itself. With one metadata per loop (decode KV sharing, ``hal.shared_kv``),
+    every loop of layer ``l`` is called with plane ``l``, the layer's first, and loop ``t``'s
+    tables reach the blocks where its positions lie in any of the layer's planes
+    (``AttentionMetadata``: slots past a plane address later planes). Built once per step,
+    copied to the device with the step; backends see ordinary metadata either way.
+    """
 
     layers: int
-    loops: int
-    num_slots: int  # S, slots per plane
-    requests: tuple[SharedRequest, ...]  # what it was built from, on the host
-    kv_start: tuple[int, ...]  # [R + 1]
-    row_base: torch.Tensor  # [N] int64
-    row_prompt: torch.Tensor  # [N] int64, 1 for a prompt position, 0 for a generated one
-    kv_base: torch.Tensor  # [sum seq_len] int64
-    kv_prompt: torch.Tensor  # [sum seq_len] int64
+    num_slots: int  # slots per plane
+    # One for every loop, or one per loop: AttentionMetadata, or in a captured step graph
+    # hal.graphs.StaticDecodeMetadata (which has no select, to, or host bounds).
+    loops: tuple[Any, ...]
 
-    def _at(self, base: torch.Tensor, prompt: torch.Tensor, plane: int) -> torch.Tensor:
-        t, li = divmod(plane, self.layers)
-        at = base + li * self.num_slots
-        return at if t == 0 else at + prompt * (t * self.layers * self.num_slots)
+    @classmethod
+    def uniform(cls, meta: AttentionMetadata, layers: int, num_slots: int) -> KVAddressing:
+        return cls(layers, num_slots, (meta,))
 
-    def write_addresses(self, plane: int) -> torch.Tensor:
-        """Where each row of the step writes its plane-``plane`` K/V (``[N]`` int64)."""
-        return self._at(self.row_base, self.row_prompt, plane)
+    @property
+    def per_loop(self) -> bool:
+        return len(self.loops) > 1
 
-    def kv_addresses(self, plane: int) -> torch.Tensor:
-        """Every request's keys at ``plane``, back to back (``[sum seq_len]`` int64)."""
-        return self._at(self.kv_base, self.kv_prompt, plane)
+    @property
+    def base(self) -> AttentionMetadata:
+        """Loop 0's metadata: the step's requests, rows and lengths (the same in every loop)."""
+        return self.loops[0]
 
-    def request_addresses(self, plane: int, r: int) -> torch.Tensor:
-        a, b = self.kv_start[r], self.kv_start[r + 1]
-        return self._at(self.kv_base[a:b], self.kv_prompt[a:b], plane)
+    def plane(self, t: int, layer: int) -> int:
+        return layer if self.per_loop else t * self.layers + layer
 
-    def to(self, device: torch.device | str) -> SharedRegion:
-        if torch.device(device).type == "cpu":
-            return self
-        host = torch.cat((self.row_base, self.row_prompt, self.kv_base, self.kv_prompt))
-        flat = host.to(device)
-        n, m = self.row_base.numel(), self.kv_base.numel()
-        parts = flat.split((n, n, m, m))
-        return attrs.evolve(
-            self, row_base=parts[0], row_prompt=parts[1], kv_base=parts[2], kv_prompt=parts[3]
-        )
+    def meta(self, t: int) -> AttentionMetadata:
+        return self.loops[t] if self.per_loop else self.loops[0]
+
+    def write_slots(self, t: int) -> torch.Tensor:
+        """Loop ``t``'s slot of every row, counted from the layer's first plane ``l``."""
+        if self.per_loop:
+            return self.loops[t].slot_mapping
+        return self.loops[0].slot_mapping + t * self.layers * self.num_slots
+
+    def to(
+        self, device: torch.device | str, *extra: torch.Tensor, pin: bool = False
+    ) -> tuple[KVAddressing, list[torch.Tensor]]:
+        """Every loop's metadata and ``extra`` host tensors on ``device``, in one copy."""
+        names = AttentionMetadata._TENSORS
+        mine = [getattr(m, n) for m in self.loops for n in names]
+        moved = move_tensors([*mine, *extra], device, pin)
+        k = len(names)
+        loops = tuple(m._with(moved[i * k : (i + 1) * k]) for i, m in enumerate(self.loops))
+        return attrs.evolve(self, loops=loops), moved[len(mine) :]
+
+    def select(self, requests: Sequence[int]) -> KVAddressing:
+        """The addressing of some of the step's requests (their rows renumbered from 0)."""
+        return attrs.evolve(self, loops=tuple(m.select(requests) for m in self.loops))
+
+    def map(self, fn) -> KVAddressing:
+        """Every loop's metadata through ``fn`` (e.g. the static decode form)."""
+        return attrs.evolve(self, loops=tuple(fn(m) for m in self.loops))

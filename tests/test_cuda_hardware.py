@@ -60,9 +60,9 @@ def _graph_llms(ckpt, **options):
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["hf-exact", "deterministic"])
 def test_cuda_step_graphs_replay_what_the_static_step_computes_eagerly(checkpoints, deterministic):
-    """On the GPU a CUDAGraph replay runs the kernels its capture chose: the same bits as the
-    static decode step run eagerly on the same buffers."""
-    from runtime_glue.engine.graphs import static_forward
+    """On the GPU a CUDAGraph replay runs the kernels its capture chose: the same bits as
+    ``OuroModel.forward`` over the same static buffers run eagerly."""
+    from runtime_glue.engine.graphs import packed_of, picks_of, static_inputs
 
     name = "wide-gqa-h2048-d128-L2-T2"
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
@@ -71,11 +71,12 @@ def test_cuda_step_graphs_replay_what_the_static_step_computes_eagerly(checkpoin
     llm.generate([prompt_of(20, seed=s) for s in range(3)], params)
     runner = llm.engine.graphs
     assert runner.stats["graph_steps"] >= 4, runner.stats
-    for graph, buf, outputs in runner._graphs.values():
+    for graph, buf, (out, picks, packed) in runner._graphs.values():
         graph.replay()
         with torch.inference_mode():
-            eager = static_forward(llm.model, buf)
-        assert all(torch.equal(a, b) for a, b in zip(outputs, eager, strict=True))
+            eager = llm.model.forward(static_inputs(llm.model, buf, None))
+        assert torch.equal(out.logits, eager.logits) and torch.equal(out.chosen, eager.chosen)
+        assert torch.equal(picks, picks_of(eager)) and torch.equal(packed, packed_of(eager))
 
 
 def test_cuda_step_graphs_keep_the_eager_engines_tokens(checkpoints):

@@ -21,17 +21,22 @@ MAX_NEW = 24  # crosses generated blocks of 16
 
 
 @functools.lru_cache(maxsize=32)
-def sharing_reference(model_dir, prompt: tuple[int, ...], max_new: int, kv_sharing: str):
-    return reference(model_dir).generate(list(prompt), max_new, kv_sharing=kv_sharing)
+def sharing_reference(
+    model_dir, prompt: tuple[int, ...], max_new: int, kv_sharing: str, block_size: int = 16
+):
+    return reference(model_dir).generate(
+        list(prompt), max_new, kv_sharing=kv_sharing, block_size=block_size
+    )
 
 
 def run_sharing_case(llm: LLM, model_dir, prompts=PROMPTS, max_new: int = MAX_NEW) -> None:
     """Each prompt alone gives the sharing reference's tokens and logits bit for bit."""
+    bs = llm.kv_layout.block_size
     for prompt in prompts:
         [out] = llm.generate(
             [prompt], SamplingParams(max_tokens=max_new, **GREEDY), return_logits=True
         )
-        tokens, logits = sharing_reference(model_dir, tuple(prompt), max_new, "last")
+        tokens, logits = sharing_reference(model_dir, tuple(prompt), max_new, "last", bs)
         assert list(out.token_ids) == tokens, f"prompt of {len(prompt)} tokens diverged"
         assert torch.equal(out.logits, logits), (
             f"logits differ by {(out.logits - logits).abs().max().item()}"
@@ -63,33 +68,28 @@ def test_sharing_changes_the_arithmetic_but_not_the_prompt(tiny_ckpt):
 
 
 def test_a_loop_reading_its_own_plane_for_generated_positions_is_caught(tiny_ckpt, monkeypatch):
-    """Planted bug: generated positions addressed like prompt ones (plane (t, l), not shared)."""
-    real = shared_kv.SharedRegion._at
+    """Planted bug: generated blocks addressed like prompt ones (loop t's plane, not shared)."""
 
-    def per_plane(self, base, prompt, plane):
-        out = real(self, base, prompt, plane)  # a generated position's K/V: its loop plane j
-        t, span = plane // self.layers, self.layers * self.num_slots
-        return out + (1 - prompt) * (t - base // span) * span  # ... read from loop plane t
+    def per_loop(request, t, layers, num_blocks):
+        _, _, prompt, _, generated = request
+        return [
+            b + t * layers * num_blocks for b in [*prompt, *(g % num_blocks for g in generated)]
+        ]
 
-    monkeypatch.setattr(shared_kv.SharedRegion, "_at", per_plane)
+    monkeypatch.setattr(shared_kv, "loop_table", per_loop)
     with pytest.raises(AssertionError):
         run_sharing_case(hf_exact(tiny_ckpt, num_blocks=64), tiny_ckpt, PROMPTS[:1])
 
 
-def test_keeping_the_first_loops_kv_instead_of_the_last_is_caught(tiny_ckpt, monkeypatch):
-    """Planted bug: a generated row's shared planes written by loop 0 only."""
-    real = shared_kv.write_kv
+def test_sharing_from_a_block_too_late_is_refused_on_the_host(tiny_ckpt, monkeypatch):
+    """Planted bug: the scheduler keeps one more block of generated positions in every plane
+    than the rule says; the step's addressing refuses it before anything runs."""
+    from runtime_glue.engine import scheduler
 
-    def first_loop_only(kv, plane, key, value, meta):
-        region = meta.shared
-        if region is None or plane < region.layers:
-            return real(kv, plane, key, value, meta)
-        keep = region.row_prompt.bool()  # later loops write prompt rows only
-        kv.write_at(region.write_addresses(plane)[keep], key[keep], value[keep])
-
-    monkeypatch.setattr("runtime_glue.ouro.model.write_kv", first_loop_only)
-    with pytest.raises(AssertionError):
-        run_sharing_case(hf_exact(tiny_ckpt), tiny_ckpt, PROMPTS[:1])
+    real = scheduler.prompt_blocks
+    monkeypatch.setattr(scheduler, "prompt_blocks", lambda n, bs: real(n, bs) + 1)
+    with pytest.raises(RuntimeError, match="2 prompt blocks for a prompt of 5 tokens"):
+        run_sharing_case(hf_exact(tiny_ckpt), tiny_ckpt, PROMPTS[:1], max_new=40)
 
 
 def test_a_reference_that_keeps_the_first_loop_disagrees(tiny_ckpt, monkeypatch):
@@ -99,7 +99,7 @@ def test_a_reference_that_keeps_the_first_loop_disagrees(tiny_ckpt, monkeypatch)
     real = ref_module.SharedDecodeCache.update
 
     def first_loop(self, key, value, layer_idx, *args, **kwargs):
-        if self.decoding and layer_idx >= self.num_layers:  # later loops: keep loop 0's
+        if self.sharing and layer_idx >= self.num_layers:  # later loops: keep loop 0's
             t, layer = divmod(layer_idx, self.num_layers)
             k, v = self.shared[layer]
             pk, pv = self.prompt[layer_idx]
@@ -128,18 +128,21 @@ def test_a_request_reads_only_its_own_prompt_planes_and_shared_planes(tiny_ckpt,
     eng.step()
     req = eng.requests["r"]
     assert req.num_computed == len(prompt)
-    need = -(-MAX_NEW // 16)
-    req.gen_blocks += eng.shared.allocate(need)  # its future generated blocks, now
-    meta = shared_kv.build_shared_metadata(
+    total = -(-(len(prompt) + MAX_NEW) // 16)
+    req.gen_blocks += eng.shared.allocate(total - len(req.blocks))  # its future blocks, now
+    cfg, lay = llm.config, llm.kv_layout
+    kv_of = shared_kv.build_shared_addressing(
         16,
         [(0, len(prompt) + MAX_NEW, req.blocks, len(prompt), req.gen_blocks)],
-        llm.kv_layout.num_slots,
-        llm.config.num_hidden_layers,
-        llm.config.total_ut_steps,
+        lay.num_blocks,
+        cfg.num_hidden_layers,
+        cfg.total_ut_steps,
     )
-    keep = torch.zeros(llm.kv_layout.num_planes * llm.kv_layout.num_slots, dtype=torch.bool)
-    for plane in range(llm.config.num_planes):
-        keep[meta.shared.kv_addresses(plane)] = True
+    keep = torch.zeros(lay.num_planes * lay.num_slots, dtype=torch.bool)
+    for t in range(cfg.total_ut_steps):
+        for layer in range(cfg.num_hidden_layers):
+            base = kv_of.plane(t, layer) * lay.num_slots
+            keep[base + kv_of.meta(t).request_slots(0)] = True
     kv = llm.kv_store
     for cache in (kv.key_cache, kv.value_cache):
         kv.rows(cache)[~keep] = float("nan")
@@ -351,16 +354,3 @@ def test_the_quality_eval_sees_no_cost_with_one_loop_and_a_cost_with_four(checkp
     report = kv_sharing_quality(LLM(tiny_ckpt, block_size=16, num_blocks=16), held, prefix=8)
     assert report["last_kv"]["perplexity"] != report["none_kv"]["perplexity"]
     assert report["scored_tokens"] == 2 * 25
-
-
-@pytest.mark.parametrize(
-    "options, named",
-    [(dict(mode="fast"), "--mode fast"), (dict(step_graphs=True), "--step-graphs")],
-)
-def test_kv_sharing_refuses_what_it_does_not_combine_with(options, named):
-    from runtime_glue.engine.args import EngineArgs
-
-    args = EngineArgs(preset="tiny", kv_sharing="last", **options)
-    with pytest.raises(ValueError, match=f"--kv-sharing last cannot be combined with {named}"):
-        args.check_combinations()
-    EngineArgs(preset="tiny", kv_sharing="none", **options).check_combinations()

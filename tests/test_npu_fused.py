@@ -410,16 +410,22 @@ def test_mode_and_its_aliases_cannot_contradict_each_other(tiny_ckpt):
     assert EngineArgs(mode="hf-exact").mode == "hf-exact"
 
 
-def test_bench_ops_counts_fast_and_exact_plans_on_the_emulated_npu(tmp_path):
+@pytest.mark.parametrize(
+    "speculation", [(), ("--speculative-loops", "1", "--num-speculative-tokens", "3")],
+    ids=["plain", "speculative"],
+)  # fmt: skip
+def test_bench_ops_counts_fast_and_exact_plans_on_the_emulated_npu(tmp_path, speculation):
     """At Ouro-1.4B's depth (24 layers, 4 loops; tiny widths: a count does not depend on them),
-    where a step's constant work weighs per layer pass as it does on the real model."""
+    where a step's constant work weighs per layer pass as it does on the real model. With
+    speculation every decode step is a draft or a verify step, each captured and replayed."""
     from runtime_glue.ouro.toy import preset_config, write_checkpoint
 
     deep = write_checkpoint(tmp_path / "deep", preset_config("tiny", num_hidden_layers=24))
     out = tmp_path / "ops.json"
     proc = rlt_hal(
         "bench", "ops", "--model", str(deep), "--device", "npu", "--mode", "fast",
-        "--block-size", "128", "--json", str(out), env={**os.environ, "RLT_HAL_NPU_EMULATE": "1"},
+        "--block-size", "128", *speculation, "--json", str(out),
+        env={**os.environ, "RLT_HAL_NPU_EMULATE": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
@@ -429,8 +435,11 @@ def test_bench_ops_counts_fast_and_exact_plans_on_the_emulated_npu(tmp_path):
     assert fast["device_ops_per_layer_pass"] <= 20 < exact["device_ops_per_layer_pass"]
     assert "rlt_npu_emulated.npu_fused_infer_attention_score" in fast["top_ops"]
     # --mode fast captures decode steps where the driver offers graphs; HF-exact does not
-    assert 1 <= fast["host_calls_per_decode_step_graph_replay"] <= 10
-    assert exact["host_calls_per_decode_step_graph_replay"] is None
+    kinds = ("draft", "verify") if speculation else ("decode",)
+    assert set(fast["by_step_kind"]) == set(kinds)
+    calls = fast["host_calls_per_step_graph_replay"]
+    assert set(calls) == set(kinds) and all(1 <= calls[k] <= 10 for k in kinds), calls
+    assert exact["host_calls_per_step_graph_replay"] is None
 
 
 def test_rlt_hal_plan_shows_each_admission(tiny_ckpt):

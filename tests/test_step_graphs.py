@@ -10,6 +10,7 @@ Then the double itself: it must catch what a real graph would silently get wrong
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -160,7 +161,7 @@ def test_padding_rows_write_only_the_scratch_page(tiny_ckpt):
             llm.engine.reserved_blocks = llm.allocator.allocate(1)  # the graphs' page ids
             assert llm.engine.reserved_blocks == [0]
         else:
-            assert llm.engine.graphs.scratch == [0] and 4 in llm.engine.graphs.sizes
+            assert llm.engine.graphs.scratch == [0] and 4 in llm.engine.graphs.sizes[0]
         _run(llm, requests)
         caches.append((llm.kv_store.key_cache.clone(), llm.kv_store.value_cache.clone()))
     (k_eager, v_eager), (k_graph, v_graph) = caches
@@ -175,8 +176,8 @@ def test_an_input_copied_into_a_new_tensor_is_caught_by_the_double(tiny_ckpt, mo
     llm = _llm(tiny_ckpt, "hf-exact", True)
     real_load = engine_graphs._Buffers.load
 
-    def load_into_a_new_tensor(self, values):
-        real_load(self, values)
+    def load_into_a_new_tensor(self, values, host):
+        real_load(self, values, host)
         self.view["ids"] = self.view["ids"].clone()  # the bug
 
     monkeypatch.setattr(engine_graphs._Buffers, "load", load_into_a_new_tensor)
@@ -190,7 +191,7 @@ def test_an_input_copied_beside_the_static_buffer_gives_stale_tokens(tiny_ckpt, 
     requests = _requests(2, max_tokens=6)
     eager = _run(_llm(tiny_ckpt, "deterministic", False), requests)
 
-    def load_beside(self, values):
+    def load_beside(self, values, host):
         self.host.numpy()[:] = values
         self.device = self.host.clone()  # the bug: the graph's buffer keeps the old step
 
@@ -209,11 +210,17 @@ def test_graphs_are_admitted_at_start_up_by_a_replay_equal_to_the_eager_step(tin
     assert llm.engine.graphs is not None and llm.engine.graphs.stats["captures"] == 1
 
 
-def _diverging_exits(pdf, v):  # the planted bug: the static step ignores every exit rule
-    return v["exit_step"] * 0 + pdf.shape[-1] - 1
+_real_static_inputs = engine_graphs.static_inputs
 
 
-def _stale_load(self, values):  # the planted bug: the step's data copied beside the buffer
+def _diverging_exits(model, buf, early):  # the planted bug: the static step reads every
+    step = _real_static_inputs(model, buf, early)  # row's logits from the last loop
+    last = step.exits.step * 0 + model.cfg.total_ut_steps - 1
+    rule = attrs.evolve(step.exits, step=last, use_threshold=step.exits.use_threshold * 0)
+    return attrs.evolve(step, exits=rule)
+
+
+def _stale_load(self, values, host):  # the planted bug: the step's data copied beside it
     self.host.numpy()[:] = values
     self.device = self.host.clone()
 
@@ -221,7 +228,7 @@ def _stale_load(self, values):  # the planted bug: the step's data copied beside
 @pytest.mark.parametrize(
     "planted, why",
     [
-        ((engine_graphs, "_exit_steps", _diverging_exits), "and exit loops"),  # noqa: E501
+        ((engine_graphs, "static_inputs", _diverging_exits), "exit loops"),
         (
             (engine_graphs._Buffers, "load", _stale_load),
             "differs from the eager step in its logits",

@@ -70,8 +70,7 @@ class RowContexts:
             for i in range(q_len):
                 off[start + i], lens[start + i] = base, ctx + i + 1
             base += ctx + q_len
-            if meta.shared is None:  # under kv sharing the slots depend on the plane
-                parts.append(meta.request_slots(r))
+            parts.append(meta.request_slots(r))
         slots = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         return cls(slots.contiguous(), torch.tensor(off), torch.tensor(lens))
 
@@ -107,11 +106,8 @@ class CpuEagerBackend(EagerBackend):
         if self._rows is None or self._rows[0] is not meta:  # built once per step, not per plane
             self._rows = (meta, RowContexts.of(meta))
         rows = self._rows[1]
-        keys, values, slots = kv.key_cache[plane], kv.value_cache[plane], rows.slots
-        if meta.shared is not None:  # kv sharing: rows addressed across planes (hal.shared_kv)
-            keys, values = kv.rows(kv.key_cache), kv.rows(kv.value_cache)
-            slots = meta.shared.kv_addresses(plane)
-        return kernels.paged_attention(query, keys, values, slots, rows.off, rows.len, scaling)
+        keys, values = kv.rows(kv.key_cache, plane), kv.rows(kv.value_cache, plane)
+        return kernels.paged_attention(query, keys, values, rows.slots, rows.off, rows.len, scaling)
 
 
 class CpuDriver(Driver):

@@ -127,8 +127,8 @@ class AscendFiaBackend(AttentionBackend):
         if not isinstance(kv, TensorKVStore):
             raise TypeError(f"ascend_fia needs the npu driver's paged KV store, got {kv!r}")
         lay = kv.layout
-        shape = (lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        return kv.key_cache[plane].view(shape), kv.value_cache[plane].view(shape)
+        shape = (-1, lay.block_size, lay.num_kv_heads, lay.head_dim)  # from plane on
+        return kv.rows(kv.key_cache, plane).view(shape), kv.rows(kv.value_cache, plane).view(shape)
 
     def write_kv(self, kv, plane, key, value, meta) -> None:
         k_cache, v_cache = self._paged(kv, plane)

@@ -100,6 +100,41 @@ def host_calls_per_decode_step(
     }
 
 
+def host_calls_by_kind(llm: LLM, input_len: int = 16) -> dict[str, int]:
+    """Host calls of each kind of decode step one request runs: ``decode`` (plain), or, with
+    speculation, ``draft`` and ``verify`` (most over two rounds); each step that was
+    replayed, not run eagerly, counted once it is past its capture."""
+    engine = llm.engine
+    spec = llm.speculative
+    rounds = 1 if spec is None else spec.tokens + 2  # steps of one round of drafts
+    _decode_ready(llm, 1, input_len, 6 * rounds + 2)
+    kinds: dict[str, list[int]] = {}
+    real_build = engine.builder.build
+    seen: list[str] = []
+
+    def build(plan):
+        host = real_build(plan)
+        g = host.groups
+        seen.append("verify" if g["verify"] else "draft" if g["draft"] else "decode")
+        return host
+
+    engine.builder.build = build  # type: ignore[method-assign]
+    try:
+        for _ in range(2 * rounds):  # captures: every shape once
+            engine.step()
+        for _ in range(2 * rounds):
+            before = engine.graphs.stats["graph_steps"] if engine.graphs is not None else 0
+            calls = sum(_counted_step(llm).values())
+            replayed = engine.graphs is not None and engine.graphs.stats["graph_steps"] > before
+            if replayed:
+                kinds.setdefault(seen[-1], []).append(calls)
+    finally:
+        del engine.builder.build  # the class's method again
+    while engine.has_unfinished():
+        engine.step()
+    return {kind: max(calls) for kind, calls in kinds.items()}
+
+
 def decode_tpot(llm: LLM, prompts: int, input_len: int, output_len: int, runs: int) -> float:
     """Median seconds of a decode step of ``prompts`` requests (prefill excluded)."""
     times = []

@@ -10,8 +10,11 @@ On an accelerator every device op is a host dispatch and a kernel launch, so the
 say how launch-bound a plan is on hardware that is not here. On the emulated npu they are
 counts of the emulated plan, labelled "emulated"; timings on it mean nothing.
 
-``host_calls_per_decode_step_graph_replay``: under step-graph replay, the device ops and
-copies the engine issues around ``replay()``; null while the engine has no step graphs.
+``host_calls_per_step_graph_replay``: under step-graph replay, the device ops and copies the
+engine issues around ``replay()``, per kind of step (a plain decode step, a speculative draft
+step, a verify step); null while the engine has no step graphs. With speculation every figure
+is given per kind of step: a draft step runs loops 0..E-1, a verify step loops E..T-1, and
+"per layer pass" divides a step's ops by the loops x layers it ran.
 """
 
 from __future__ import annotations
@@ -27,30 +30,51 @@ from runtime_glue.engine.sampling import SamplingParams
 PROMPT_LEN = 16
 
 
-def graph_host_calls(llm: LLM) -> int | None:
-    """Host calls per decode step under graph replay (``--step-graphs``); None without graphs."""
+def graph_host_calls(llm: LLM) -> dict[str, int] | None:
+    """Host calls per decode step under graph replay (``--step-graphs``), by step kind
+    (``decode``, or a speculative ``draft`` and ``verify``); None without graphs."""
     if llm.engine.graphs is None:
         return None
-    from runtime_glue.bench.graph_bench import host_calls_per_decode_step
+    from runtime_glue.bench.graph_bench import host_calls_by_kind
 
-    return host_calls_per_decode_step(llm, steps=2)["host_calls_per_step"]
+    return host_calls_by_kind(llm)
+
+
+def _kind(step) -> str:
+    """A forward's kind: a plain decode step, or a speculative draft or verify step."""
+    if not step.spans:
+        return "decode"
+    return "verify" if step.kept is not None else "draft"
+
+
+def _layer_passes(llm: LLM, step) -> int:
+    """Loops x layers a forward runs (a speculative step: its spans' loops that hold rows)."""
+    cfg = llm.config
+    if not step.spans:
+        return cfg.total_ut_steps * cfg.num_hidden_layers
+    loops = sum(len(span.loops) for span in step.spans if span.rows.numel())
+    return loops * cfg.num_hidden_layers
 
 
 def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict:
-    """Device ops of ``steps`` decode steps of one request, after its prefill."""
+    """Device ops of ``steps`` decode steps of one request, after its prefill (with
+    speculation: enough steps for a round of drafts and its verify step)."""
     engine, model = llm.engine, llm.model
+    if llm.speculative is not None:
+        steps = max(steps, 2 * (llm.speculative.tokens + 2))
     gen = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(3, llm.config.vocab_size, (prompt_len,), generator=gen).tolist()
     rid = f"bench-ops-{id(llm)}"
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    max_tokens = 4 * steps + 1  # a round of drafts never runs out of tokens
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     engine.step()  # the prefill, and the first token
-    forward_counts: list[DeviceOpCounter] = []
+    forwards: list[tuple[str, int, DeviceOpCounter]] = []
     inner = model.forward
 
     def counted(step_inputs):
         with DeviceOpCounter() as c:
             out = inner(step_inputs)
-        forward_counts.append(c)
+        forwards.append((_kind(step_inputs), _layer_passes(llm, step_inputs), c))
         return out
 
     model.forward = counted  # type: ignore[method-assign]
@@ -64,23 +88,36 @@ def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict
     finally:
         del model.forward  # the class's method again
         engine.graphs = graphs
-    while engine.has_unfinished():
-        engine.step()
+    engine.abort_request(rid)
+    by_kind = {}
+    for kind in ("decode", "draft", "verify"):
+        mine = [(passes, c) for k, passes, c in forwards if k == kind]
+        if mine:
+            by_kind[kind] = {
+                "device_ops_per_step": statistics.median(c.device_ops for _, c in mine),
+                "device_ops_per_layer_pass": round(
+                    statistics.median(c.device_ops / passes for passes, c in mine), 2
+                ),
+            }
     cfg = llm.config
     passes = cfg.total_ut_steps * cfg.num_hidden_layers
-    per_token = statistics.median(c.device_ops for c in forward_counts)
+    per_token = statistics.median(c.device_ops for _, _, c in forwards)
     return {
         "plan": llm.plan.describe(),
         "mode": llm.plan.mode,
         "attention": llm.plan.attention,
+        "speculative": None
+        if llm.speculative is None
+        else llm.speculative.describe(cfg.total_ut_steps),
         "device_ops_per_decode_token": per_token,
-        "device_ops_per_layer_pass": round(per_token / passes, 2),
+        "device_ops_per_layer_pass": max(k["device_ops_per_layer_pass"] for k in by_kind.values()),
+        "by_step_kind": by_kind,
         "layer_passes": passes,
         "engine_step_device_ops": statistics.median(c.device_ops for c in step_counts),
         "host_reads_per_step": statistics.median(c.host_reads for c in step_counts),
-        "views_per_decode_token": statistics.median(sum(c.views.values()) for c in forward_counts),
-        "top_ops": forward_counts[-1].summary()["top_ops"],
-        "host_calls_per_decode_step_graph_replay": graph_host_calls(llm),
+        "views_per_decode_token": statistics.median(sum(c.views.values()) for _, _, c in forwards),
+        "top_ops": forwards[-1][2].summary()["top_ops"],
+        "host_calls_per_step_graph_replay": graph_host_calls(llm),
     }
 
 
@@ -117,7 +154,7 @@ def markdown_ops(report: dict) -> str:
         f"device ops per decode token on {label}, {report['config']['layers']} layers x "
         f"{report['config']['loops']} loops",
         "",
-        "| plan | device ops / decode token | / layer pass | engine step | host reads | "
+        "| plan, step kind | device ops / step | / layer pass | engine step | host reads | "
         "host calls / step (graph replay) |",
         "|---|---|---|---|---|---|",
     ]
@@ -125,12 +162,15 @@ def markdown_ops(report: dict) -> str:
         row = report.get(key)
         if not row or "error" in row:
             continue
-        graph = row["host_calls_per_decode_step_graph_replay"]
-        lines.append(
-            f"| {row['mode']}, {row['attention']} | {row['device_ops_per_decode_token']:.0f} | "
-            f"{row['device_ops_per_layer_pass']:.1f} | {row['engine_step_device_ops']:.0f} | "
-            f"{row['host_reads_per_step']:.0f} | {'n/a' if graph is None else graph} |"
-        )
+        graph = row["host_calls_per_step_graph_replay"]
+        for kind, k in row["by_step_kind"].items():
+            calls = "n/a" if graph is None else graph.get(kind, "n/a")
+            lines.append(
+                f"| {row['mode']}, {row['attention']}, {kind} steps | "
+                f"{k['device_ops_per_step']:.0f} | {k['device_ops_per_layer_pass']:.1f} | "
+                f"{row['engine_step_device_ops']:.0f} | {row['host_reads_per_step']:.0f} | "
+                f"{calls} |"
+            )
     top = ", ".join(f"{n} {c}" for n, c in report["plan"]["top_ops"].items())
     lines += ["", f"top ops ({report['plan']['mode']}): {top}"]
     for a in report.get("admissions", []):

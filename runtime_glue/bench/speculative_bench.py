@@ -90,6 +90,24 @@ def round_costs(llm: LLM, prompt: list[int], rounds: int) -> dict[str, list[floa
     return steps
 
 
+def host_calls_per_token(llm: LLM, prompt: list[int], output_len: int) -> float:
+    """Host calls to the device per generated token of one request's decoding (its prefill
+    excluded): with step graphs, a replayed draft or verify step's few; eager, every op's."""
+    from runtime_glue.bench.graph_bench import _counted_step
+
+    eng = llm.engine
+    eng.add_request(
+        "spec-bench-calls", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True)
+    )
+    req = eng.requests["spec-bench-calls"]
+    while req.in_prefill or not req.output_ids:
+        eng.step()
+    first, calls = len(req.output_ids), 0
+    while eng.has_unfinished():
+        calls += sum(_counted_step(llm).values())
+    return calls / max(output_len - first, 1)
+
+
 def speculative(
     llm: LLM,
     loops: list[int],
@@ -108,6 +126,9 @@ def speculative(
     for batch in levels.values():  # warm-up: first calls pay for allocation
         _timed_run(plain, batch, 2)
     costs = {key: round_costs(v, prompts[0], rounds=max(runs, 2)) for key, v in variants.items()}
+    calls = {f"E{e}K{k}": host_calls_per_token(v, prompts[0], output_len)
+             for (e, k), v in variants.items()}  # fmt: skip
+    calls["plain"] = host_calls_per_token(plain, prompts[0], output_len)
     samples: dict = {lv: {key: [] for key in ["plain", *variants]} for lv in levels}
     for _ in range(runs):
         for lv, batch in levels.items():
@@ -117,7 +138,10 @@ def speculative(
                 got = _timed_run(v, batch, output_len)
                 got["stats"] = {k: v.engine.stats[k] - before[k] for k in before}
                 samples[lv][key].append(got)
-    return _report(llm, plain, variants, samples, costs, input_len, output_len, runs)
+    report = _report(llm, plain, variants, samples, costs, input_len, output_len, runs)
+    report["host_calls_per_token"] = calls
+    report["step_graphs"] = None if plain.engine.graphs is None else plain.engine.graphs.label
+    return report
 
 
 def _med(values: list[float]) -> float | None:
@@ -175,7 +199,9 @@ def _report(llm, plain, variants, samples, costs, input_len, output_len, runs) -
 
 
 def markdown_speculative(report: dict) -> str:
-    lines = []
+    graphs = report.get("step_graphs") or "none"
+    calls = ", ".join(f"{k} {v:.1f}" for k, v in report.get("host_calls_per_token", {}).items())
+    lines = [f"step graphs: {graphs}; host calls per generated token: {calls}"]
     for lv, r in report["levels"].items():
         lines += [
             f"\n{lv}: plain decoding TPOT {r['plain_tpot_s'] * 1e3:.1f} ms, "

@@ -17,11 +17,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hal.shared_kv import build_shared_metadata
-from hal.types import AttentionMetadata
+from hal.shared_kv import build_shared_addressing, prompt_blocks
+from hal.types import AttentionMetadata, KVAddressing
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.shared_blocks import SharedBlocks
-from runtime_glue.ouro.model import StepInputs
+from runtime_glue.engine.step import sequence_inputs
+from runtime_glue.ouro.exits import ExitMode
 
 
 class SequenceRunner:
@@ -33,41 +34,42 @@ class SequenceRunner:
         loops = llm.config.total_ut_steps
         self.shared = llm.shared_blocks or SharedBlocks(self.alloc, loops)
 
-    def _inputs(self, ids: Sequence[int], ctx: int, meta: AttentionMetadata, prompt: bool):
-        n, dev = len(ids), self.llm.driver.device.torch_device
-        host = [torch.tensor(list(ids)), torch.arange(ctx, ctx + n), torch.tensor([n - 1])]
-        meta, (ids_t, pos_t, rows_t) = meta.to(dev, *host)
-        rows = n if prompt else 0
-        return StepInputs(ids_t, pos_t, meta, rows_t, rows, int(prompt), ctx + n - 1, (), (n - 1,))
+    def _logits(self, ids: Sequence[int], ctx: int, kv: KVAddressing, prompt: bool):
+        """The last row's logits (float32 ``[1, V]``) of one step of ``ids`` at ``ctx``."""
+        cfg, n = self.llm.config, len(ids)
+        step = sequence_inputs(
+            self.llm.driver.device.torch_device, kv, list(ids), ctx, prompt,
+            [ExitMode()], cfg.total_ut_steps, [n - 1],
+        )  # fmt: skip
+        return self.llm.model.forward(step).logits.float().cpu()
+
+    def _addressing(self, n: int, ctx: int, blocks, P: int, gen) -> KVAddressing:
+        cfg, bs, nb = self.llm.config, self.alloc.block_size, self.alloc.num_blocks
+        if self.sharing:
+            request = (n, ctx, blocks, P, gen)
+            return build_shared_addressing(
+                bs, [request], nb, cfg.num_hidden_layers, cfg.total_ut_steps
+            )
+        meta = AttentionMetadata.build(bs, [(n, ctx, blocks)], nb * bs)
+        return KVAddressing.uniform(meta, cfg.num_hidden_layers, nb * bs)
 
     def run(self, prompt: list[int], follow: list[int] | None, new: int) -> torch.Tensor:
         """Logits (float32 ``[new, V]``) of the prompt's last position and of ``new - 1``
         generated positions: ``follow``'s tokens (teacher-forced) or the greedy ones."""
-        cfg, bs = self.llm.config, self.alloc.block_size
-        P, S = len(prompt), self.alloc.num_blocks * bs
-        blocks = self.alloc.allocate(self.alloc.blocks_for(P if self.sharing else P + new))
-        gen = self.shared.allocate(self.alloc.blocks_for(new)) if self.sharing else []
+        bs, P = self.alloc.block_size, len(prompt)
+        total = self.alloc.blocks_for(P + new)
+        own = prompt_blocks(P, bs) if self.sharing else total
+        blocks = self.alloc.allocate(own)
+        gen = self.shared.allocate(total - own) if self.sharing else []
         if blocks is None or gen is None:
             raise RuntimeError(f"the KV pool cannot hold a sequence of {P + new} tokens now")
         out = []
         try:
-            meta = AttentionMetadata.build(bs, [(P, 0, blocks)], S)
-            logits, _ = self.llm.model.forward(self._inputs(prompt, 0, meta, True))
-            out.append(logits.float().cpu())
+            out.append(self._logits(prompt, 0, self._addressing(P, 0, blocks, P, gen), True))
             for g in range(new - 1):
                 token = follow[g] if follow is not None else int(out[-1].argmax(-1))
-                if self.sharing:
-                    meta = build_shared_metadata(
-                        bs,
-                        [(1, P + g, blocks, P, gen)],
-                        S,
-                        cfg.num_hidden_layers,
-                        cfg.total_ut_steps,
-                    )
-                else:
-                    meta = AttentionMetadata.build(bs, [(1, P + g, blocks)], S)
-                logits, _ = self.llm.model.forward(self._inputs([token], P + g, meta, False))
-                out.append(logits.float().cpu())
+                kv = self._addressing(1, P + g, blocks, P, gen)
+                out.append(self._logits([token], P + g, kv, False))
         finally:
             self.alloc.free_after(blocks, None)
             if gen:

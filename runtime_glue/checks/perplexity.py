@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hal.types import AttentionMetadata
+from hal.types import AttentionMetadata, KVAddressing
 from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.step import sequence_inputs
 from runtime_glue.ouro import corpus
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode
@@ -66,17 +67,13 @@ class Scorer:
         self.llm = llm
 
     def _step(self, ids: Sequence[int], ctx: int, blocks, prompt: bool, modes) -> StepInputs:
-        n = len(ids)
+        n, cfg = len(ids), self.llm.config
         alloc = self.llm.allocator
         slots = alloc.num_blocks * alloc.block_size
         meta = AttentionMetadata.build(alloc.block_size, [(n, ctx, blocks)], slots)
+        kv = KVAddressing.uniform(meta, cfg.num_hidden_layers, slots)
         dev = self.llm.driver.device.torch_device
-        host = [torch.tensor(list(ids)), torch.arange(ctx, ctx + n), torch.arange(n)]
-        meta, (ids_t, pos_t, rows_t) = meta.to(dev, *host)
-        rows = n if prompt else 0
-        return StepInputs(
-            ids_t, pos_t, meta, rows_t, rows, rows, ctx + n - 1, tuple(modes), tuple(range(n))
-        )
+        return sequence_inputs(dev, kv, list(ids), ctx, prompt, list(modes), cfg.total_ut_steps)
 
     def _blocks(self, tokens: int) -> list[int]:
         alloc = self.llm.allocator
@@ -89,8 +86,8 @@ class Scorer:
         """Logits (float32 ``[S, V]``) and exit loops ``[S]`` of every position, one step."""
         blocks = self._blocks(len(ids))
         try:
-            step = self._step(ids, 0, blocks, True, [mode] * len(ids))
-            logits, chosen = self.llm.model.forward(step)
+            out = self.llm.model.forward(self._step(ids, 0, blocks, True, [mode] * len(ids)))
+            logits, chosen = out.logits, out.chosen
         finally:
             self.llm.allocator.free_after(blocks, None)
         return logits.float().cpu(), chosen.cpu()
@@ -102,9 +99,9 @@ class Scorer:
         out, loops = [], []
         try:
             for p, token in enumerate(ids):
-                logits, chosen = self.llm.model.forward(
-                    self._step([token], p, blocks, False, [mode])
-                )
+                step = self._step([token], p, blocks, False, [mode])
+                result = self.llm.model.forward(step)
+                logits, chosen = result.logits, result.chosen
                 out.append(logits.float().cpu())
                 loops.append(chosen.cpu())
         finally:

@@ -19,7 +19,9 @@ of the last position only).
 ``kv_sharing="last"`` runs the Ouro paper's last-step reuse (section 5.4.2) through a cache of
 its own (``SharedDecodeCache``): the prompt keeps one cache layer per plane, and generated
 positions one per layer, which each loop overwrites, so a later token reads the last loop's
-K/V. It is written from that definition alone (the runtime's form is ``hal.shared_kv``).
+K/V; as the runtime pages it, sharing starts at the first KV block after the prompt's (the
+generated positions in the prompt's last block keep every plane). It is written from that
+definition alone (the runtime's form is ``hal.shared_kv``).
 """
 
 from __future__ import annotations
@@ -88,22 +90,26 @@ NORMS = (
 
 
 class SharedDecodeCache:
-    """The cache ``LlamaAttention`` updates, under decode KV sharing: prefill stores every
-    plane's K/V (layer index ``t * L + l``); once ``decoding`` is set, a position's K/V at
-    layer ``l`` goes to one shared entry per layer, appended by loop 0 and overwritten by each
-    later loop, and attention at plane ``(t, l)`` sees that plane's prompt K/V followed by the
-    shared entries (its own position as this loop just wrote it)."""
+    """The cache ``LlamaAttention`` updates, under decode KV sharing. Until ``sharing`` is set
+    (the prompt, and the generated positions that fall in the prompt's last KV block, which
+    the runtime keeps in every plane since that block holds them all) a position's K/V goes to
+    every plane (layer index ``t * L + l``); after, to one shared entry per layer, appended by
+    loop 0 and overwritten by each later loop, and attention at plane ``(t, l)`` sees that
+    plane's K/V followed by the shared entries (its own position as this loop just wrote it)."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.prompt: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.decoding = False
+        self.sharing = False
 
     def update(self, key, value, layer_idx, *args, **kwargs):
-        if not self.decoding:
+        if not self.sharing:
+            if self.shared:
+                raise RuntimeError("a position kept in every plane after shared ones")
             if layer_idx in self.prompt:
-                raise RuntimeError("SharedDecodeCache takes the prompt in one call")
+                pk, pv = self.prompt[layer_idx]
+                key, value = torch.cat((pk, key), dim=-2), torch.cat((pv, value), dim=-2)
             self.prompt[layer_idx] = (key, value)
             return key, value
         t, layer = divmod(layer_idx, self.num_layers)
@@ -259,10 +265,12 @@ class OuroReference(torch.nn.Module):
         weighted_exit: bool = False,
         with_exit_steps: bool = False,
         kv_sharing: str = "none",
+        block_size: int = 16,
     ):
         """Greedy tokens and the float32 logits each was chosen from (and, when asked, the loop
         each token's logits came from). Without an exit choice, the config's defaults apply.
-        ``kv_sharing``: "none" (every plane of every position) or "last" (SharedDecodeCache)."""
+        ``kv_sharing``: "none" (every plane of every position) or "last" (SharedDecodeCache:
+        generated positions from the first ``block_size`` boundary after the prompt on)."""
         rule = (exit_at_step, exit_threshold, weighted_exit)
         if rule == (None, None, False):
             rule = (self.cfg.early_exit_step, self.cfg.early_exit_threshold, False)
@@ -273,11 +281,12 @@ class OuroReference(torch.nn.Module):
             cache = SharedDecodeCache(self.cfg.num_hidden_layers)
         dev = self.lm_head.weight.device
         logits, loop = self.forward_step(torch.tensor([prompt_ids], device=dev), 0, cache, rule)
-        if isinstance(cache, SharedDecodeCache):
-            cache.decoding = True
+        shared_from = -(-len(prompt_ids) // block_size) * block_size
         tokens, all_logits, loops = [], [], []
         pos = len(prompt_ids)
         for _ in range(max_new_tokens):
+            if isinstance(cache, SharedDecodeCache):
+                cache.sharing = pos >= shared_from
             tok = int(torch.argmax(logits))
             tokens.append(tok)
             all_logits.append(logits)

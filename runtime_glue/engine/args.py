@@ -214,27 +214,11 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace | dict, **overrides: Any) -> EngineArgs:
         return from_fields(cls, args, **overrides)
 
-    # Options that do not combine yet, with why: (option, value, option, value, why).
-    CONFLICTS = (
-        (
-            "kv_sharing", "last", "mode", "fast",
-            "the fused loop and ascend_fia read and write only a plane's own slots",
-        ),
-        (
-            "kv_sharing", "last", "step_graphs", True,
-            "a captured step's static metadata addresses one plane per block",
-        ),
-    )  # fmt: skip
-
     def check_combinations(self) -> None:
-        """Raise a ValueError naming the first pair of options that do not combine."""
-        for a, va, b, vb, why in self.CONFLICTS:
-            if getattr(self, a) == va and getattr(self, b) == vb:
-                flag = "--" + b.replace("_", "-")
-                shown = flag if vb is True else f"{flag} {vb}"
-                raise ValueError(
-                    f"--{a.replace('_', '-')} {va} cannot be combined with {shown}: {why}"
-                )
+        """Raise a ValueError naming the first pair of options in ``REFUSED`` that is set."""
+        for a, va, b, vb, why in REFUSED:
+            if _is(getattr(self, a), va) and _is(getattr(self, b), vb):
+                raise ValueError(f"{_flag(a, va)} cannot be combined with {_flag(b, vb)}: {why}")
 
     def model_dir(self) -> Path:
         """``model``, or the embedded toy checkpoint of ``preset`` (written once, then cached)."""
@@ -243,3 +227,40 @@ class EngineArgs:
         from runtime_glue.ouro.toy import cached_checkpoint
 
         return cached_checkpoint(self.preset)
+
+
+SET = object()  # in REFUSED: the option is given at all
+
+# Every pair of options that does not combine, each with its arithmetic reason: the one
+# declaration every entry point checks (EngineArgs.check_combinations). Everything else
+# combines (README, "What combines with what").
+REFUSED = (
+    (
+        "speculative_loops", SET, "kv_sharing", "last",
+        "under kv sharing a generated position's K/V is its last loop's, and a verify row "
+        "cannot see the earlier drafts' last-loop K/V (their last loop runs in the same step)",
+    ),
+    (
+        "speculative_loops", SET, "adaptive_depth", True,
+        "adaptive depth changes the model's arithmetic, and speculation verifies against the "
+        "full depth",
+    ),
+    (
+        "step_graphs", True, "adaptive_depth", True,
+        "deciding which rows leave after each loop reads the device, which a graph cannot",
+    ),
+)  # fmt: skip
+
+
+def _is(value: Any, wanted: Any) -> bool:
+    return value is not None if wanted is SET else value == wanted
+
+
+def _flag(name: str, value: Any) -> str:
+    flag = "--" + name.replace("_", "-")
+    return flag if value is True or value is SET else f"{flag} {value}"
+
+
+def reason(a: str, b: str) -> str:
+    """Why options ``a`` and ``b`` do not combine (from ``REFUSED``)."""
+    return next(why for x, _, y, _, why in REFUSED if {x, y} == {a, b})

@@ -11,12 +11,13 @@ request is preempted: its pages are released and it waits at the head of the que
 recomputed (its prompt, then its generated tokens as generated positions, so that in
 deterministic mode it then produces exactly the tokens it would have).
 
-Under ``--kv-sharing last`` (``runtime_glue.engine.shared_blocks``) a request's prompt takes
-prompt blocks and its generated positions take generated blocks, T to a physical block; the
-same rules hold for both kinds.
-
-With speculative decoding on, a decoding request drafts and verifies
-(``runtime_glue.engine.speculative``) in the same steps as every other request.
+The engine connects four seams, each a module of its own: the scheduler decides which
+requests run which rows (``scheduler``: a plan of ``step.Scheduled``), the input builder turns
+the plan into the step's inputs (``step``), the runner replays a captured graph of the step or
+runs ``OuroModel.forward`` eagerly (``graphs``), and the engine samples and applies what each
+request's rows computed. Speculative decoding (``speculative``) adds draft and verify rows
+through the scheduler and the builder; kv sharing (``shared_blocks``, ``hal.shared_kv``) adds
+generated blocks to the scheduler and per-loop addressing to the builder.
 """
 
 from __future__ import annotations
@@ -24,30 +25,24 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections import deque
 
+import attrs
 import torch
 
 from hal.graphs import StepGraphs
 from hal.interfaces import Device
-from hal.shared_kv import build_shared_metadata
-from hal.types import AttentionMetadata
+from hal.shared_kv import prompt_blocks
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
-from runtime_glue.engine.graphs import StepGraphRunner
+from runtime_glue.engine.graphs import Replayed, StepGraphRunner, packed_of, picks_of
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampling import SamplingParams, sample
-from runtime_glue.engine.scheduler import EngineConfig, Scheduling
+from runtime_glue.engine.scheduler import EngineConfig, Scheduler
 from runtime_glue.engine.shared_blocks import SharedBlocks
-from runtime_glue.engine.speculative import (
-    MAX_SPECULATIVE_TOKENS,
-    Entry,
-    SpeculativeConfig,
-    Speculator,
-)
-from runtime_glue.ouro import loops
+from runtime_glue.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, Speculator
+from runtime_glue.engine.step import HostStep, StepBuilder
 from runtime_glue.ouro.exits import ExitMode
-from runtime_glue.ouro.model import OuroModel, StepInputs
+from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import Admission
 
 logger = logging.getLogger(__name__)
@@ -61,7 +56,19 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-class Engine(Scheduling):
+@attrs.frozen(eq=False)
+class Sampled:
+    """A step's choices on the host: a token and exit loop per sampled row, the logits when
+    someone needs them, and each sampled row's states (and gates) on the device."""
+
+    tokens: list[int]
+    exit_steps: list[int]
+    logits: torch.Tensor | None
+    states: torch.Tensor  # [T, R, H]
+    gates: torch.Tensor | None
+
+
+class Engine:
     def __init__(
         self,
         model: OuroModel,
@@ -86,28 +93,14 @@ class Engine(Scheduling):
         self.prefix_salt = prefix_salt
         self.device = device
         self.allocator = allocator
-        self.config = config or EngineConfig()
-        self.shared: SharedBlocks | None = None
-        if self.config.kv_sharing == "last":
-            loops = model.cfg.total_ut_steps
-            self.shared = shared_blocks or SharedBlocks(allocator, loops)
+        self.config = config = config or EngineConfig()
+        loops = model.cfg.total_ut_steps
+        shared = None
+        if config.kv_sharing == "last":
+            shared = shared_blocks or SharedBlocks(allocator, loops)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
-        self.graphs: StepGraphRunner | None = None
-        self.graph_admission: Admission | None = None  # the graphs' check on this device
-        if step_graphs is not None:
-            self.graphs = StepGraphRunner(
-                step_graphs, model, device, allocator, self.config.max_num_seqs, self.max_model_len
-            )
-            self.graph_admission = self.graphs.admit()
-            if not self.graph_admission.admitted:
-                logger.warning("step graphs refused: %s", self.graph_admission.why)
-                allocator.free_after(self.graphs.scratch, device.record_fence())
-                self.graphs = None
-        self.reserved_blocks: list[int] = self.graphs.scratch if self.graphs is not None else []
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.stats = {
@@ -119,24 +112,67 @@ class Engine(Scheduling):
             "prefix_cache_queries": 0,  # prompt tokens looked up in the prefix cache
             "prefix_cache_hits": 0,  # of those, tokens found there
         }
-        self.speculator: Speculator | None = None
-        if speculative is not None:
-            speculative.check(model.cfg.total_ut_steps, model.plan.adaptive_depth)
-            if speculative.tokens >= self.config.max_num_batched_tokens:
-                raise ValueError(
-                    f"num_speculative_tokens ({speculative.tokens}) must be below "
-                    f"max_num_batched_tokens ({self.config.max_num_batched_tokens}): a verify "
-                    "step computes num_speculative_tokens + 1 rows"
-                )
-            self.speculator = Speculator(speculative, model.cfg.total_ut_steps)
-            self.stats.update(self.speculator.stats)
+        self.speculator = self._speculator(speculative)
+        self.scheduler = Scheduler(config, allocator, shared, self.speculator, self.stats)
+        early = None if speculative is None else speculative.loops
+        self.builder = StepBuilder(
+            model.cfg, allocator.block_size, allocator.num_blocks, shared is not None, early
+        )
+        self.graphs: StepGraphRunner | None = None
+        self.graph_admission: Admission | None = None  # the graphs' check on this device
+        if step_graphs is not None:
+            self._start_graphs(step_graphs, speculative)
+        self.reserved_blocks: list[int] = self.graphs.scratch if self.graphs is not None else []
 
-    # -- lifecycle -------------------------------------------------------------------------
+    def _speculator(self, speculative: SpeculativeConfig | None) -> Speculator | None:
+        if speculative is None:
+            return None
+        speculative.check(self.model.cfg.total_ut_steps)
+        if speculative.tokens >= self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"num_speculative_tokens ({speculative.tokens}) must be below "
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}): a verify "
+                "step computes num_speculative_tokens + 1 rows"
+            )
+        speculator = Speculator(speculative, self.model.cfg.total_ut_steps)
+        self.stats.update(speculator.stats)
+        return speculator
+
+    def _start_graphs(self, graphs: StepGraphs, speculative: SpeculativeConfig | None) -> None:
+        seqs = self.config.max_num_seqs
+        spec = 0 if speculative is None else seqs
+        verify = 0 if speculative is None else seqs * (speculative.tokens + 1)
+        runner = StepGraphRunner(
+            graphs, self.model, self.device, self.allocator, self.builder,
+            (seqs, spec, verify), self.max_model_len,
+        )  # fmt: skip
+        self.graph_admission = runner.admit()
+        if self.graph_admission.admitted:
+            self.graphs = runner
+            return
+        logger.warning("step graphs refused: %s", self.graph_admission.why)
+        self.allocator.free_after(runner.scratch, self.device.record_fence())
+
+    # -- what the scheduler holds ----------------------------------------------------------
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def shared(self) -> SharedBlocks | None:
+        return self.scheduler.shared
 
     @property
     def pool_tokens(self) -> int:
         usable = self.allocator.num_blocks - len(self.reserved_blocks)  # less graphs' scratch
         return usable * self.allocator.block_size
+
+    # -- lifecycle -------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that could never run here ("never", not
@@ -169,8 +205,9 @@ class Engine(Scheduling):
                 "max_tokens",
             )
         if self.shared is not None:
-            blocks = self.allocator.blocks_for(n)
-            blocks += self.shared.physical_for(self.allocator.blocks_for(max_tokens))
+            blocks = prompt_blocks(n, self.allocator.block_size)
+            generated = self.allocator.blocks_for(need) - blocks
+            blocks += self.shared.physical_for(generated)
             if blocks > self.allocator.num_blocks:
                 raise InvalidRequest(
                     f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} blocks of "
@@ -235,7 +272,7 @@ class Engine(Scheduling):
             req.block_hashes = self.allocator.block_hashes(req.prompt_ids, salt)
         req.exit_mode = ExitMode.of(params, self.model.plan.exit_defaults)
         self.requests[request_id] = req
-        self.waiting.append(req)
+        self.scheduler.waiting.append(req)
 
     def abort_request(self, request_id: str) -> bool:
         """End a live request in any state and free its pages; False if it is not live."""
@@ -247,7 +284,7 @@ class Engine(Scheduling):
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     def audit_pages(self) -> None:
         """Check the allocator against the running requests' block tables (tests, debugging)."""
@@ -263,155 +300,102 @@ class Engine(Scheduling):
         return self.allocator.num_free
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
-        elif req.status is Status.RUNNING:
-            self.running.remove(req)
-        self._release(req)
+        self.scheduler.remove(req)
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         self.requests.pop(req.request_id, None)
-
-    def _build_step(self, plan: list[tuple[Request, int]]):
-        """The step's inputs, built on the host and moved to the device in one copy; the
-        request of each sampled row and the position of the token it samples; the step's row
-        groups when some request drafts or verifies (else None)."""
-        requests: list = []
-        ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        sampled: list[Request] = []
-        token_positions: list[int] = []
-        entries: list[tuple[Request, Entry | None, int]] = []
-        start = prompt_rows = prompt_samples = 0
-        for req, n in plan:
-            entry = self._entry(req)
-            entries.append((req, entry, n))
-            ctx = req.num_computed if entry is None else entry.ctx
-            if self.shared is None:
-                requests.append((n, ctx, req.blocks))
-            else:  # no speculation under sharing (EngineArgs.check_combinations)
-                requests.append((n, ctx, req.blocks, len(req.prompt_ids), req.gen_blocks))
-            ids += req.tokens(ctx, ctx + n) if entry is None else entry.ids
-            positions += range(ctx, ctx + n)
-            if req.in_prefill:
-                prompt_rows += n
-            for offset in self._samples(req, entry, n):
-                rows.append(start + offset)
-                prompt_samples += req.in_prefill
-                sampled.append(req)
-                token_positions.append(ctx + offset + 1)
-            start += n
-        bs = self.allocator.block_size
-        slots = self.allocator.num_blocks * bs
-        if self.shared is None:
-            meta = AttentionMetadata.build(bs, requests, slots)  # checked on the host
-        else:
-            cfg = self.model.cfg
-            meta = build_shared_metadata(
-                bs, requests, slots, cfg.num_hidden_layers, cfg.total_ut_steps
-            )
-        host = [torch.tensor(v, dtype=torch.int64) for v in (ids, positions, rows)]
-        meta, (ids_t, pos_t, rows_t) = meta.to(
-            self.device.torch_device, *host, pin=self.device.pin_memory
-        )
-        inputs = StepInputs(
-            ids_t,
-            pos_t,
-            meta,
-            rows_t,
-            prompt_rows,
-            prompt_samples,
-            max(positions),
-            tuple(r.exit_mode for r in sampled),
-            tuple(rows),
-        )
-        groups = None
-        if self.speculator is not None:
-            normal = sum(len(self._samples(r, e, n)) for r, e, n in entries if e is None)
-            groups = self.speculator.loop_rows(entries, normal, self.model.lm_head)
-        return inputs, sampled, token_positions, groups
-
-    @staticmethod
-    def _samples(req: Request, entry: Entry | None, n: int) -> tuple[int, ...]:
-        """Which of the ``n`` rows ``req`` runs this step are sampled (offsets)."""
-        if entry is not None:
-            return entry.samples
-        return (n - 1,) if req.num_computed + n == req.num_tokens else ()
 
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        plan = self._schedule()
+        plan = self.scheduler.schedule()
         if not plan:
             if self.waiting and not self.running:
                 self.allocator.reclaim(wait=True)
             return []
         try:
-            graphed = self.graphs.run(plan) if self.graphs is not None else None
-            if graphed is None:
-                inputs, sampled, token_positions, groups = self._build_step(plan)
-                spec_out = None if groups is None else loops.forward(self.model, inputs, groups)
-                if spec_out is None:
-                    logits, exits = self.model.forward(inputs)  # [R, vocab], [R] on the device
-                else:
-                    logits, exits = spec_out.logits, spec_out.chosen
-                picks = packed = None
-            else:  # a replayed graph, whose outputs hold the picks and packed logits too
-                sampled, logits, exits, picks, packed = graphed
-                token_positions = [r.num_tokens for r in sampled]  # each its next token's
-                spec_out = None  # no speculation under graphs (llm.speculative_config)
+            host = self.builder.build(plan)
+            result = self._run(host)
             fence = self.device.record_fence()
-            tokens, exit_steps, host_logits = self._sample(
-                logits, exits, sampled, token_positions, picks, packed
-            )
+            sampled = self._sample(result, host)
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("step %d failed", self.num_steps)
             self.device.synchronize()  # nothing of the step may still be using its pages
-            for req, _ in plan:
-                self._finish(req, "error", f"{type(exc).__name__}: {exc}")
+            for s in plan:
+                self._finish(s.req, "error", f"{type(exc).__name__}: {exc}")
                 self.stats["failed"] += 1
-            return [self._output(req, ()) for req, _ in plan]
+            return [self._output(s.req, ()) for s in plan]
         self.num_steps += 1
-        outputs, i, drafts = [], 0, 0
-        for req, n in plan:
-            entry = self._entry(req)
-            req.last_fence = fence
-            mine = list(range(i, i + len(self._samples(req, entry, n))))
-            i += len(mine)
-            if entry is None:
-                req.num_computed += n
-                self._register_full_prompt_blocks(req)
-            elif entry.kind == "draft":
-                assert self.speculator is not None and spec_out is not None
-                gates = None if spec_out.draft_gates is None else spec_out.draft_gates[drafts]
-                state = spec_out.draft_states[drafts]
-                self.speculator.drafted(req, [tokens[j] for j in mine], state, gates)
-                drafts += 1
-                continue
-            else:
-                assert self.speculator is not None
-                accepted = self.speculator.verified(req, [tokens[j] for j in mine])
-                mine = mine[: len(accepted)]
-                req.num_computed += len(accepted)
-                keep = self.allocator.blocks_for(req.num_tokens + len(accepted))
-                if len(req.blocks) > keep:  # pages that held rejected drafts only
-                    self.allocator.free_after(req.blocks[keep:], fence)
-                    req.blocks = req.blocks[:keep]
-            if mine:
-                outputs.append(self._emit(req, mine, tokens, exit_steps, host_logits))
-        self._sync_spec_stats()
+        outputs = []
+        for s, mine in zip(plan, host.rows_of, strict=True):
+            s.req.last_fence = fence
+            rows = self._apply(s, mine, sampled, fence)
+            if rows:
+                outputs.append(self._emit(s.req, rows, sampled))
+        if self.speculator is not None:
+            self.stats.update(self.speculator.stats)
         return outputs
 
-    def _emit(self, req: Request, rows: list[int], tokens, exit_steps, host_logits):
+    def _run(self, host: HostStep) -> Replayed:
+        """The step replayed from its graph, or run eagerly through the same forward."""
+        if self.graphs is not None:
+            replayed = self.graphs.run(host)
+            if replayed is not None:
+                return replayed
+        out = self.model.forward(host.inputs(self.device.torch_device, self.device.pin_memory))
+        return Replayed(out, None, None)
+
+    def _apply(self, s, mine: list[int], sampled: Sampled, fence) -> list[int]:
+        """What one request's rows computed; the sampled rows whose tokens it emits."""
+        req = s.req
+        if s.entry is None:
+            req.num_computed += s.n
+            self.scheduler.register_prompt_blocks(req)
+            return mine
+        assert self.speculator is not None
+        E = self.speculator.config.loops
+        if s.entry.kind == "draft":
+            r = mine[0]
+            gates = None if sampled.gates is None else sampled.gates[:E, r]
+            self.speculator.drafted(req, sampled.tokens[r], sampled.states[:E, r], gates)
+            return []
+        accepted = self.speculator.verified(req, [sampled.tokens[j] for j in mine])
+        req.num_computed += len(accepted)
+        keep = self.allocator.blocks_for(req.num_tokens + len(accepted))
+        if len(req.blocks) > keep:  # pages that held rejected drafts only
+            self.allocator.free_after(req.blocks[keep:], fence)
+            req.blocks = req.blocks[:keep]
+        return mine[: len(accepted)]
+
+    def _sample(self, result: Replayed, host: HostStep) -> Sampled:
+        """The step's tokens and exit loops, with the step's one device-to-host transfer: the
+        greedy picks (argmax on the device) when that is all the step needs, else the logits
+        (float32), sampled on the host by each request's seed and the token's position."""
+        out, reqs = result.out, host.sampled
+        states = out.states
+        if host.early is not None:  # what draft rows keep, before a replay overwrites it
+            states = states[: host.early].clone()
+        gates = None if out.gates is None or host.early is None else out.gates[: host.early].clone()
+        if not any(r.return_logits or not r.params.greedy for r in reqs):
+            picks = result.picks if result.picks is not None else picks_of(out)
+            both = self.device.to_host(picks).tolist()
+            return Sampled(both[0], both[1], None, states, gates)
+        packed = result.packed if result.packed is not None else packed_of(out)
+        packed = self.device.to_host(packed)
+        logits, steps = packed[:, :-1], [int(s) for s in packed[:, -1].tolist()]
+        positions = host.token_positions
+        tokens = [sample(logits[i], r.params, r.seed, positions[i]) for i, r in enumerate(reqs)]
+        return Sampled(tokens, steps, logits, states, gates)
+
+    def _emit(self, req: Request, rows: list[int], sampled: Sampled):
         """Append the tokens of ``rows`` to ``req``'s output until it finishes."""
         new = []
         for j in rows:
-            token = tokens[j]
+            token = sampled.tokens[j]
             if req.return_logits:
-                assert host_logits is not None
-                req.logits.append(host_logits[j].clone())
+                assert sampled.logits is not None
+                req.logits.append(sampled.logits[j].clone())
             req.output_ids.append(token)
-            req.exit_steps.append(exit_steps[j])
+            req.exit_steps.append(sampled.exit_steps[j])
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             self.stats["generated_tokens"] += 1
@@ -420,35 +404,6 @@ class Engine(Scheduling):
             if req.finished:
                 break
         return self._output(req, tuple(new))
-
-    def _sync_spec_stats(self) -> None:
-        if self.speculator is not None:
-            self.stats.update(self.speculator.stats)
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        exits: torch.Tensor,
-        sampled: list[Request],
-        positions: list[int],
-        picks: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-    ) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """The step's tokens and exit loops, with the step's one device-to-host transfer: the
-        greedy picks (argmax on the device) when that is all the step needs, else the logits
-        (float32), sampled on the host by each request's seed and the token's position.
-        ``picks`` and ``packed``: both already computed on the device (by a step graph)."""
-        if not any(r.return_logits or not r.params.greedy for r in sampled):
-            if picks is None:
-                picks = torch.stack((logits.argmax(-1), exits))
-            both = self.device.to_host(picks).tolist()
-            return both[0], both[1], None
-        if packed is None:
-            packed = torch.cat((logits.float(), exits[:, None].float()), 1)
-        packed = self.device.to_host(packed)
-        host, steps = packed[:, :-1], [int(s) for s in packed[:, -1].tolist()]
-        tokens = [sample(host[i], r.params, r.seed, positions[i]) for i, r in enumerate(sampled)]
-        return tokens, steps, host
 
     def _check_stop(self, req: Request, token: int) -> None:
         params, detok = req.params, req.detokenizer

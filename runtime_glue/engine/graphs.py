@@ -1,58 +1,57 @@
-"""Step graphs in the engine (``--step-graphs``): decode steps captured once per shape, replayed.
+"""Step graphs in the engine (``--step-graphs``): decode-only steps captured once per shape.
 
-What is captured: a *decode-only* step, in which every request computes one generated
-position and reads its logits from a fixed loop, the last, or by an exit threshold (the
-checkpoint's default). Its whole forward (embedding, every loop and layer with its KV writes,
-the exit choice, the lm_head, the greedy pick and the packed logits) is one graph per shape:
-a padded batch size and a context bucket (a power of two of KV blocks). What runs eagerly:
-steps with prompt positions (prefill, chunks, recomputation after preemption), weighted exits,
-and shapes past the largest bucket.
+What is captured: ``OuroModel.forward`` itself (and the read-back forms of its logits) over a
+*decode-only* step, whose every attention entry is one row: plain decoding, speculative
+draft steps and verify steps (a verify request's rows are one-row entries,
+``runtime_glue.engine.step``), every exit rule but weighted exits, under any plan and with
+kv sharing (one table per loop). One graph per shape: the rows of each group (generated,
+draft, verify), padded, and a context bucket (a power of two of KV blocks). Steps with prompt
+rows, weighted exits and shapes past the largest bucket run eagerly.
 
-Per step the engine writes the step's data into a host staging buffer, copies it into the
-shape's static device buffer with one copy, replays, and reads back the picks (or the logits)
+Per step the engine builds the step once (``StepBuilder``), writes its values into the
+shape's host staging buffer, copies them into the static device buffer with one copy (and
+the verify rows' kept states with another), replays, and reads back the picks or the logits
 with one copy: a few host calls instead of thousands of op launches
 (``runtime_glue.bench.graph_bench`` counts them).
 
 Padding rows compute garbage of their own, never anyone else's: each writes its K/V to a
 scratch slot in pages the runner takes from the pool for good, and reads only scratch pages.
-A real row's table entries past its context repeat its first page; they are masked (a masked
-position adds an exact zero, which needs finite K/V there, hence its own page).
+A real row's table entries past its context repeat its first page; they are masked.
 
 Padding changes the row count of every projection. In deterministic mode the plan's kernels
-are row-invariant (checked at start-up), so the batch sizes are powers of two; in HF-exact
-and fast modes a row count is part of the arithmetic (HF's, or a GEMM's that was never
-checked for row invariance), so every batch size up to ``max_num_seqs`` has its own graph
-and no row is padded.
+are row-invariant (checked at start-up), so each group's size is a power of two; in HF-exact
+and fast modes a row count is part of the arithmetic, so every size has its own graph and no
+row is padded.
 
-Admitted on the device (:meth:`StepGraphRunner.admit`): before the engine serves, one shape is
-captured on synthetic rows in the scratch pages and replayed on other rows (other tokens,
-positions and exit rules); the replay must give the logits and exit loops of the same step
-run eagerly through ``OuroModel.forward``, bit for bit. Otherwise the engine runs every step
-eagerly and the plan says why.
+Admitted on the device (:meth:`StepGraphRunner.admit`): one shape is captured on synthetic
+rows in the scratch pages and replayed on other rows (other tokens, positions and exit rules);
+the replay must give the logits and exit loops of the same step run eagerly, bit for bit.
+Otherwise the engine runs every step eagerly and the plan says why.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from hal.graphs import StaticDecodeMetadata, StepGraph, StepGraphs, context_bucket
 from hal.interfaces import Device, Driver
-from hal.types import AttentionMetadata, check_slot_mapping
+from hal.types import KVAddressing, check_slot_mapping
+from runtime_glue.engine.args import reason
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request
-from runtime_glue.ouro.exits import ExitMode
-from runtime_glue.ouro.model import OuroModel, RowOps, StepInputs
+from runtime_glue.engine.step import HostStep, Scheduled, StepBuilder
+from runtime_glue.ouro.exits import ExitMode, ExitRule
+from runtime_glue.ouro.model import Kept, OuroModel, Span, StepInputs, StepOutput
 from runtime_glue.ouro.plan import Admission, ExecutionPlan
 
 logger = logging.getLogger(__name__)
 
-FIELDS = ("ids", "positions", "slots", "seq_lens", "exit_step", "use_threshold", "threshold")
+GROUPS = ("generated", "draft", "verify")
+ROW_FIELDS = ("ids", "positions", "seq_lens", "exit_step", "use_threshold", "threshold")
 
 
 def require_step_graphs(driver: Driver, plan: ExecutionPlan) -> StepGraphs:
@@ -70,91 +69,137 @@ def require_step_graphs(driver: Driver, plan: ExecutionPlan) -> StepGraphs:
             "(hal.graphs.StaticDecodeMetadata); choose an *_eager backend"
         )
     if plan.adaptive_depth:
-        raise ValueError(
-            "--step-graphs cannot be combined with --adaptive-depth: deciding which rows "
-            "leave after each loop reads the device, which a graph cannot"
-        )
+        why = reason("step_graphs", "adaptive_depth")
+        raise ValueError(f"--step-graphs cannot be combined with --adaptive-depth: {why}")
     return graphs
 
 
-def batch_sizes(mode: str, max_num_seqs: int) -> tuple[int, ...]:
-    """Padded batch sizes to capture (see the module docstring for why they depend on mode)."""
+def sizes_up_to(mode: str, most: int) -> tuple[int, ...]:
+    """A group's captured sizes (see the module docstring for why they depend on mode)."""
+    if most < 1:
+        return (0,)
     if mode != "deterministic":
-        return tuple(range(1, max_num_seqs + 1))
-    pow2 = [2**i for i in range(max_num_seqs.bit_length()) if 2**i <= max_num_seqs]
-    return tuple(sorted({*pow2, max_num_seqs}))
+        return tuple(range(0, most + 1))
+    pow2 = [2**i for i in range(most.bit_length()) if 2**i <= most]
+    return tuple(sorted({0, *pow2, most}))
 
 
-def bf16_bits(x: float) -> int:
-    """The bfloat16 bit pattern torch gives a Python float (via float32, nearest even)."""
-    bits = struct.unpack("<I", struct.pack("<f", x))[0]
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+@attrs.frozen
+class Shape:
+    """A captured shape: rows per group (padded) and the context bucket in blocks."""
+
+    rows: tuple[int, int, int]  # generated, draft, verify
+    blocks: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows)
 
 
 class _Buffers:
     """The static inputs of one shape: views of one int64 device buffer that one copy fills
-    from a (pinned) host staging buffer."""
+    from a (pinned) host staging buffer, and the verify rows' kept states."""
 
-    def __init__(self, rows: int, blocks: int, device: torch.device, pin: bool) -> None:
-        self.rows, self.blocks = rows, blocks
-        size = len(FIELDS) * rows + rows * blocks
+    def __init__(self, shape: Shape, tables: int, model: OuroModel, device, pin: bool, early):
+        B, W = shape.total, shape.blocks
+        self.shape, self.tables = shape, tables
+        size = len(ROW_FIELDS) * B + tables * B + tables * B * W
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.device = torch.zeros(size, dtype=torch.int64, device=device)
         self.pin = pin
-        self.view = {name: self.device[i * rows : (i + 1) * rows] for i, name in enumerate(FIELDS)}
-        self.tables = self.device[len(FIELDS) * rows :].view(rows, blocks)
-        self.sample_rows = torch.arange(rows, device=device)
+        self.view = {n: self.device[i * B : (i + 1) * B] for i, n in enumerate(ROW_FIELDS)}
+        at = len(ROW_FIELDS) * B
+        self.slots = self.device[at : at + tables * B].view(tables, B)
+        self.block_tables = self.device[at + tables * B :].view(tables, B, W)
+        g, d, v = shape.rows
+        E, H = early or 1, model.cfg.hidden_size
+        self.kept_states = torch.zeros(v, E, H, dtype=model.embed.dtype, device=device)
+        self.kept_gates = torch.zeros(v, E, dtype=model.embed.dtype, device=device)
+        index = {
+            "all": list(range(B)),
+            "first": list(range(g + d)),
+            "second": [*range(g), *range(g + d, B)],
+            "verify": list(range(g + d, B)),
+        }
+        self.index = {
+            k: torch.tensor(i, dtype=torch.int64, device=device) for k, i in index.items()
+        }
+        second = index["second"]
+        self.index["second_at"] = torch.arange(len(second), dtype=torch.int64, device=device)
 
-    def load(self, values: list[int]) -> None:
-        """This step's data into the static buffer, in place (the graph reads it there).
-
+    def load(self, values: list[int], host: HostStep | None) -> None:
+        """This step's data into the static buffers, in place (the graph reads them there).
         The previous step's copy has finished: its results were read back, which waited."""
         self.host.numpy()[:] = values
         self.device.copy_(self.host, non_blocking=self.pin)
+        if host is not None and host.kept_states:
+            n = len(host.kept_states)
+            self.kept_states[:n].copy_(torch.stack(host.kept_states))
+            if host.gated:
+                zero = self.kept_gates.new_zeros(self.kept_gates.shape[1])
+                gates = [zero if g is None else g for g in host.kept_gates]
+                self.kept_gates[:n].copy_(torch.stack(gates))
 
 
-def static_forward(model: OuroModel, buf: _Buffers):
-    """The decode step ``model.forward`` computes, in static shapes and without host reads:
-    ``(logits [B, V], chosen loop [B], picks [2, B], packed [B, V + 1])``."""
-    v, cfg, rows = buf.view, model.cfg, buf.rows
-    meta = StaticDecodeMetadata.of(
-        model.kv.layout.block_size, v["slots"], buf.tables, v["seq_lens"]
+def static_inputs(model: OuroModel, buf: _Buffers, early: int | None) -> StepInputs:
+    """The step the static buffers hold, as ``OuroModel.forward`` takes it (ops inside the
+    captured graph: the gather slots, the masks, the spans' selections)."""
+    v, bs, cfg = buf.view, model.kv.layout.block_size, model.cfg
+    num_slots = model.kv.layout.num_slots
+
+    def kv_of(rows: torch.Tensor | None) -> KVAddressing:
+        metas = []
+        for t in range(buf.tables):
+            slots, tables, lens = buf.slots[t], buf.block_tables[t], v["seq_lens"]
+            if rows is not None:
+                slots, tables, lens = (x.index_select(0, rows) for x in (slots, tables, lens))
+            metas.append(StaticDecodeMetadata.of(bs, slots, tables, lens))
+        return KVAddressing(cfg.num_hidden_layers, num_slots, tuple(metas))
+
+    B = buf.shape.total
+    rule = ExitRule(v["exit_step"], v["use_threshold"], v["threshold"], (), True)
+    every = buf.index["all"]
+    spans: tuple[Span, ...] = ()
+    kept = None
+    if early is not None:
+        first, second = buf.index["first"], buf.index["second"]
+        T = cfg.total_ut_steps
+        spans = (
+            Span(range(early), first, kv_of(first), first, first, 0),
+            Span(range(early, T), second, kv_of(second), second, buf.index["second_at"], 0),
+        )
+        verify = buf.index["verify"]
+        gates = buf.kept_gates[:, :early]
+        kept = Kept(verify, verify, buf.kept_states[:, :early], gates)
+    return StepInputs(
+        v["ids"], v["positions"], kv_of(None), every, 0, 0, 0, rule, tuple(range(B)), spans, kept
     )
-    # The model reads the metadata only through its attention backend (EagerBackend.forward).
-    static: Any = meta
-    step = StepInputs(
-        v["ids"], v["positions"], static, buf.sample_rows, 0, 0, 0, (), (*range(rows),)
-    )
-    ops = RowOps(model.kernels, 0 if model.plan.split else None)
-    h = F.embedding(v["ids"], model.embed)  # [B, H]
-    cos, sin = model.rope(v["positions"], 0)  # the table was built for every position
-    hs, gates = [], []
-    for t in range(cfg.total_ut_steps):
-        h = model.loop(t, h, cos, sin, meta, ops)
-        sampled_h = h.index_select(0, buf.sample_rows)
-        hs.append(sampled_h)
-        gates.append(model._gate(h, sampled_h, step))
-    chosen = _exit_steps(model._pdf(gates, step), v)
-    stacked = torch.stack(hs)  # [T, B, H]
-    selected = stacked[chosen, buf.sample_rows]  # [B, H]
-    logits = model._sampled_ops(step)("lm_head", selected, model.lm_head)  # [B, V]
-    picks = torch.stack((logits.argmax(-1), chosen))
-    packed = torch.cat((logits.float(), chosen[:, None].float()), 1)
-    return logits, chosen, picks, packed
 
 
-def _exit_steps(pdf: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each row's loop: its fixed one, or its threshold's (``exits.threshold_steps``, with the
-    threshold a per-row tensor of the bf16 value the eager comparison rounds it to)."""
-    threshold = v["threshold"].to(torch.int16).view(torch.bfloat16).to(pdf.dtype)
-    reached = torch.cumsum(pdf, dim=-1) >= threshold[:, None]
-    first = torch.argmax(reached.float(), dim=-1)
-    by_threshold = torch.where(reached.any(dim=-1), first, pdf.shape[-1] - 1)
-    return torch.where(v["use_threshold"].bool(), by_threshold, v["exit_step"])
+def picks_of(out: StepOutput) -> torch.Tensor:
+    """The greedy picks and exit loops ``[2, R]``: what the engine reads back of a greedy step."""
+    return torch.stack((out.logits.argmax(-1), out.chosen))
+
+
+def packed_of(out: StepOutput) -> torch.Tensor:
+    """The float32 logits with the exit loop appended ``[R, V + 1]``: what it reads back when
+    it samples on the host or returns logits. A graph computes both forms; an eager step the
+    one it needs."""
+    return torch.cat((out.logits.float(), out.chosen[:, None].float()), 1)
+
+
+@attrs.frozen(eq=False)
+class Replayed:
+    """A replayed step's outputs for its real sampled rows (device tensors, overwritten by the
+    next replay: the engine reads them back, or clones what it keeps, before then)."""
+
+    out: StepOutput
+    picks: torch.Tensor | None  # None: an eager step, which computes the form it needs
+    packed: torch.Tensor | None
 
 
 class StepGraphRunner:
-    """Captures decode-only steps lazily, one graph per (batch size, context bucket)."""
+    """Captures decode-only steps lazily, one graph per :class:`Shape`, and replays them."""
 
     def __init__(
         self,
@@ -162,15 +207,18 @@ class StepGraphRunner:
         model: OuroModel,
         device: Device,
         allocator: BlockAllocator,
-        max_num_seqs: int,
+        builder: StepBuilder,
+        limits: tuple[int, int, int],
         max_model_len: int,
     ) -> None:
-        self.graphs, self.model, self.device = graphs, model, device
+        """``limits``: the most rows of each group a step can hold (generated, draft,
+        verify)."""
+        self.graphs, self.model, self.device, self.builder = graphs, model, device, builder
         self.block_size = bs = allocator.block_size
-        self.sizes = batch_sizes(model.plan.mode, max_num_seqs)
+        self.sizes = tuple(sizes_up_to(model.plan.mode, most) for most in limits)
         max_blocks = min(-(-max_model_len // bs), allocator.num_blocks)
         self.buckets = tuple(2**i for i in range(context_bucket(max_blocks).bit_length()))
-        pad_rows = max(1, self.sizes[-1] - 1)
+        pad_rows = max(1, sum(max(s) for s in self.sizes) - 1)
         scratch = allocator.allocate(-(-pad_rows // bs))
         if scratch is None:
             raise ValueError(
@@ -182,112 +230,164 @@ class StepGraphRunner:
         # graph keeps the table it saw, so it must never be reallocated afterwards.
         reach = min(max_model_len, allocator.num_blocks * bs)
         model.rope(torch.zeros(1, dtype=torch.int64, device=device.torch_device), reach)
-        self._graphs: dict[tuple[int, int], tuple[StepGraph, _Buffers, tuple]] = {}
+        self._graphs: dict[Shape, tuple[StepGraph, _Buffers, Any]] = {}
         self.stats = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
 
     @property
     def label(self) -> str:
         return self.graphs.label
 
-    def shape_for(self, plan: list[tuple[Request, int]]) -> tuple[int, int] | None:
+    def shape_for(self, host: HostStep) -> Shape | None:
         """The captured shape a step runs in, or None if it must run eagerly."""
-        if self.model.recorder is not None:
+        if self.model.recorder is not None or not host.decode_only:
             return None
-        for req, n in plan:
-            if n != 1 or req.in_prefill or req.exit_mode.kind == "weighted":
+        if any(m.kind == "weighted" for m in host.modes):
+            return None
+        rows = []
+        for group, sizes in zip(GROUPS, self.sizes, strict=True):
+            n = host.groups[group]
+            size = next((s for s in sizes if s >= n), None)
+            if size is None:
                 return None
-        rows = next((s for s in self.sizes if s >= len(plan)), None)
-        blocks = context_bucket(
-            max(-(-(req.num_computed + 1) // self.block_size) for req, _ in plan)
-        )
-        return None if rows is None or blocks > self.buckets[-1] else (rows, blocks)
+            rows.append(size)
+        meta = host.kv.base
+        blocks = context_bucket(max(-(-(c + 1) // self.block_size) for c in meta.host_context_lens))
+        if blocks > self.buckets[-1]:
+            return None
+        return Shape((rows[0], rows[1], rows[2]), blocks)
 
-    def run(self, plan: list[tuple[Request, int]]):
-        """Replay the step's graph: ``(sampled, logits, exits, picks, packed)`` (device views of
-        the graph's outputs, real rows only), or None when the step must run eagerly."""
-        shape = self.shape_for(plan)
+    def run(self, host: HostStep) -> Replayed | None:
+        """Replay the step's graph (real sampled rows only), or None: run it eagerly."""
+        shape = self.shape_for(host)
         if shape is None:
             self.stats["eager_steps"] += 1
             return None
         with torch.inference_mode():
+            values, real = self._values(host, shape)
             entry = self._graphs.get(shape)
-            values = self._values(plan, *shape)
             if entry is None:
-                entry = self._capture(shape, values)
+                entry = self._capture(shape, values, host)
             else:
-                entry[1].load(values)
+                entry[1].load(values, host)
             graph, _, outputs = entry
             graph.replay()
         self.stats["graph_steps"] += 1
-        n = len(plan)
-        logits, chosen, picks, packed = outputs
-        return [r for r, _ in plan], logits[:n], chosen[:n], picks[:, :n], packed[:n]
+        return _real_rows(outputs, real)
 
-    def _capture(self, shape: tuple[int, int], values: list[int]):
-        buf = _Buffers(*shape, self.device.torch_device, self.device.pin_memory)
-        buf.load(values)
-        graph, outputs = self.graphs.capture(lambda: static_forward(self.model, buf))
+    def _capture(self, shape: Shape, values: list[int], host: HostStep | None):
+        tables = self.builder.loops if self.builder.sharing else 1
+        buf = _Buffers(shape, tables, self.model, self.device.torch_device,
+                       self.device.pin_memory, self.builder.early)  # fmt: skip
+        buf.load(values, host)
+        early = self.builder.early if shape.rows[1] + shape.rows[2] else None
+
+        def step():
+            out = self.model.forward(static_inputs(self.model, buf, early))
+            return out, picks_of(out), packed_of(out)
+
+        graph, outputs = self.graphs.capture(step)
         self._graphs[shape] = entry = (graph, buf, outputs)
         self.stats["captures"] += 1
-        logger.info("captured a %s for %d rows x %d blocks", self.label, *shape)
+        logger.info("captured a %s for rows %s x %d blocks", self.label, shape.rows, shape.blocks)
         return entry
 
-    def _values(self, plan: list[tuple[Request, int]], rows: int, blocks: int) -> list[int]:
-        """The static buffer's contents for this step, built on the host."""
-        bs, last = self.block_size, self.model.cfg.total_ut_steps - 1
-        out: list[Row] = []
-        for req, _ in plan:
-            ctx, mode = req.num_computed, req.exit_mode
-            used = req.blocks[: -(-(ctx + 1) // bs)]
-            out.append(Row(req.tokens(ctx, ctx + 1)[0], ctx, used, mode))
-        check_slot_mapping([r.slot(bs) for r in out], self.model.kv.layout.num_slots)
-        for j in range(rows - len(plan)):  # padding rows: scratch pages only
-            out.append(Row(0, j % bs, [self.scratch[j // bs]]))
-        return flatten(out, bs, blocks, last)
+    def _values(self, host: HostStep, shape: Shape) -> tuple[list[int], list[int]]:
+        """The static buffer's contents for this step (padding rows in each group read and
+        write scratch pages only), and where the step's real rows sit among the padded."""
+        W = shape.blocks
+        metas = host.kv.loops
+        rule = host.exit_columns()
+        cols: dict[str, list[int]] = {n: [] for n in ROW_FIELDS}
+        slots: list[list[int]] = [[] for _ in metas]
+        tables: list[list[int]] = [[] for _ in metas]
+        real: list[int] = []
+        start, padded = 0, 0
+        for group, size in zip(GROUPS, shape.rows, strict=True):
+            n = host.groups[group]
+            for i in range(start, start + n):
+                real.append(padded + i - start)
+                self._row(cols, host, rule, i)
+                for t, meta in enumerate(metas):
+                    slots[t].append(int(meta.slot_mapping[i]))
+                    table = meta.block_tables[i].tolist()
+                    used = -(-(host.positions[i] + 1) // self.block_size)
+                    row = table[:used]
+                    tables[t] += row + row[:1] * (W - len(row))
+            for j in range(size - n):  # padding rows: scratch pages only
+                pad = padded + n + j
+                page = self.scratch[pad // self.block_size]
+                for name, value in zip(ROW_FIELDS, (0, pad % self.block_size,
+                                       pad % self.block_size + 1, host.loops - 1, 0, 0),
+                                       strict=True):  # fmt: skip
+                    cols[name].append(value)
+                for t in range(len(metas)):
+                    slots[t].append(page * self.block_size + pad % self.block_size)
+                    tables[t] += [page] * W
+            start += n
+            padded += size
+        check_slot_mapping(slots[0], None)
+        flat = [x for n in ROW_FIELDS for x in cols[n]]
+        return flat + [x for s in slots for x in s] + [x for t in tables for x in t], real
+
+    @staticmethod
+    def _row(cols: dict[str, list[int]], host: HostStep, rule, i: int) -> None:
+        r = host.sample_rows.index(i)  # every row of a decode-only step is sampled
+        for name, value in (
+            ("ids", host.ids[i]),
+            ("positions", host.positions[i]),
+            ("seq_lens", host.positions[i] + 1),
+            ("exit_step", rule[0][r]),
+            ("use_threshold", rule[1][r]),
+            ("threshold", rule[2][r]),
+        ):
+            cols[name].append(value)
 
     def admit(self) -> Admission:
         """Capture one shape on synthetic rows (the scratch pages), replay it on other rows
         and compare with the same step run eagerly: admitted iff bit for bit equal."""
         bs, model = self.block_size, self.model
-        capacity = len(self.scratch) * bs
-        rows = max(s for s in self.sizes if s <= capacity)
-        shape = (rows, 1)  # positions within one page: context bucket 1
+        offsets = [o for o in range(len(self.scratch) * bs) if o % bs]  # position 0: a prompt's
+        rows = max(s for s in self.sizes[0] if s <= len(offsets))
         gen = torch.Generator().manual_seed(rows)
         vocab, last = model.cfg.vocab_size, model.cfg.total_ut_steps - 1
         modes = [ExitMode(), ExitMode(step=min(1, last)), ExitMode(threshold=0.5), ExitMode()]
 
-        def synthetic(permute: bool) -> list[Row]:
+        def synthetic(permute: bool) -> HostStep:
             ids = torch.randint(0, vocab, (rows,), generator=gen).tolist()
-            offsets = list(range(rows))[:: -1 if permute else 1]  # every offset in the step
-            return [
-                Row(ids[j], offsets[j] % bs, [self.scratch[offsets[j] // bs]],
-                    modes[j % len(modes)] if permute else ExitMode())
-                for j in range(rows)
-            ]  # fmt: skip
+            at = offsets[:rows][:: -1 if permute else 1]  # every offset in the step
+            plan = []
+            for j in range(rows):
+                mode = modes[j % len(modes)] if permute else ExitMode()
+                req = _decode_row(ids[j], at[j] % bs, self.scratch[at[j] // bs], mode)
+                plan.append(Scheduled(req, 1))
+            return self.builder.build(plan)
 
         label = f"at {rows} row(s) x 1 block"
         try:
             with torch.inference_mode():
-                self._capture(shape, flatten(synthetic(False), bs, 1, last))
+                first = synthetic(False)
+                shape = Shape((rows, 0, 0), 1)
+                values, real = self._values(first, shape)
+                self._capture(shape, values, first)
                 trial = synthetic(True)
-                eager = self._eager(trial)
-                graph, buf, outputs = self._graphs[shape]
-                buf.load(flatten(trial, bs, 1, last))
-                graph.replay()
-                replayed = (outputs[0][:rows].clone(), outputs[1][:rows].clone())
+                eager = model.forward(trial.inputs(self.device.torch_device))
+                replay = self.run(trial)
+                assert replay is not None
+                replayed = (replay.out.logits.clone(), replay.out.chosen.clone())
         except Exception as exc:  # noqa: BLE001 - any failure to capture or replay refuses it
             self._graphs.clear()
             return Admission("step_graphs", self.label, False,
                              f"{label}: cannot capture or replay here: {type(exc).__name__}: {exc}")  # fmt: skip
-        same_logits = torch.equal(replayed[0], eager[0])
-        same_exits = torch.equal(replayed[1].to(eager[1].dtype), eager[1])
+        self.stats = {"graph_steps": 0, "eager_steps": 0, "captures": len(self._graphs)}
+        same_logits = torch.equal(replayed[0], eager.logits)
+        same_exits = torch.equal(replayed[1].to(eager.chosen.dtype), eager.chosen)
         if same_logits and same_exits:
             return Admission("step_graphs", self.label, True,
                              f"{label}: replay equals the eager step bit for bit (logits, exit "
                              "loops) on other tokens, positions and exit rules than captured",
                              0.0, 0.0)  # fmt: skip
         self._graphs.clear()
-        diff = (replayed[0].float() - eager[0].float()).abs().max().item()
+        diff = (replayed[0].float() - eager.logits.float()).abs().max().item()
         what = " and ".join(
             [f"logits (max difference {diff:.3g})"] * (not same_logits)
             + ["exit loops"] * (not same_exits)
@@ -296,57 +396,28 @@ class StepGraphRunner:
                          f"{label}: replay differs from the eager step in its {what}; "
                          "every step runs eagerly", diff)  # fmt: skip
 
-    def _eager(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``OuroModel.forward`` on ``rows`` as one eager decode step (the engine's path)."""
-        bs, device = self.block_size, self.device.torch_device
-        meta = AttentionMetadata.build(
-            bs, [(1, r.position, r.blocks) for r in rows], self.model.kv.layout.num_slots
-        ).to(device)[0]
-        n = len(rows)
-        step = StepInputs(
-            torch.tensor([r.token for r in rows], device=device),
-            torch.tensor([r.position for r in rows], device=device),
-            meta,
-            torch.arange(n, device=device),
-            0,
-            0,
-            max(r.position for r in rows),
-            tuple(r.mode for r in rows),
-            tuple(range(n)),
-        )
-        logits, chosen = self.model.forward(step)
-        return logits, chosen
+
+def _decode_row(token: int, position: int, page: int, mode: ExitMode) -> Request:
+    """A synthetic request decoding ``token`` at ``position`` in ``page`` (admission)."""
+    from runtime_glue.engine.sampling import SamplingParams
+
+    req = Request("admission", [0], SamplingParams(max_tokens=position + 1))
+    req.output_ids = [0] * (position - 1) + [token]  # position >= 1: a generated position
+    req.num_computed = position
+    req.blocks = [page]
+    req.exit_mode = mode
+    return req
 
 
-@attrs.frozen
-class Row:
-    """One row of a captured decode step: its token, position, blocks and exit rule."""
-
-    token: int
-    position: int
-    blocks: list[int]  # the blocks its context occupies (the last holds its new token)
-    mode: ExitMode = attrs.field(factory=ExitMode)  # a fixed loop, a threshold or the last
-
-    def slot(self, block_size: int) -> int:
-        return self.blocks[self.position // block_size] * block_size + self.position % block_size
-
-
-def flatten(rows: list[Row], block_size: int, blocks: int, last: int) -> list[int]:
-    """The static buffer's contents for ``rows`` (``FIELDS``, then the block tables): a
-    table's entries past a row's context repeat its first block (masked: finite K/V)."""
-    cols: dict[str, list[int]] = {name: [] for name in FIELDS}
-    tables: list[int] = []
-    for r in rows:
-        mode = r.mode  # a fixed loop, a threshold, or the last loop
-        for name, value in (
-            ("ids", r.token),
-            ("positions", r.position),
-            ("slots", r.slot(block_size)),
-            ("seq_lens", r.position + 1),
-            ("exit_step", mode.step if mode.step is not None else last),
-            ("use_threshold", int(mode.kind == "threshold")),
-            ("threshold", bf16_bits(mode.threshold) if mode.threshold is not None else 0),
-        ):
-            cols[name].append(value)
-        tables += r.blocks + r.blocks[:1] * (blocks - len(r.blocks))
-    return [x for name in FIELDS for x in cols[name]] + tables
+def _real_rows(outputs, real: list[int]) -> Replayed:
+    out, picks, packed = outputs
+    n = len(real)
+    if real == list(range(n)):  # the common case: one group, padding after it
+        cut = StepOutput(out.logits[:n], out.chosen[:n], out.states[:, :n],
+                         None if out.gates is None else out.gates[:, :n])  # fmt: skip
+        return Replayed(cut, picks[:, :n], packed[:n])
+    idx = torch.tensor(real, dtype=torch.int64, device=out.logits.device)
+    cut = StepOutput(out.logits.index_select(0, idx), out.chosen.index_select(0, idx),
+                     out.states.index_select(1, idx),
+                     None if out.gates is None else out.gates.index_select(1, idx))  # fmt: skip
+    return Replayed(cut, picks.index_select(1, idx), packed.index_select(0, idx))

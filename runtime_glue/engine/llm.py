@@ -38,19 +38,11 @@ def speculative_config(args: EngineArgs, cfg: OuroConfig) -> SpeculativeConfig |
         if args.num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens needs speculative_loops (--speculative-loops)")
         return None
-    refused = {
-        "--kv-sharing last": args.kv_sharing == "last",  # a verify step computes k generated rows
-        "--step-graphs": args.step_graphs,  # drafting and verifying steps are not captured
-        "--mode fast": args.mode == "fast",  # the fused loop does not run loop ranges
-    }
-    for flag, on in refused.items():
-        if on:
-            raise ValueError(f"--speculative-loops cannot be combined with {flag}")
     tokens = args.num_speculative_tokens
     spec = SpeculativeConfig(
         args.speculative_loops, DEFAULT_SPECULATIVE_TOKENS if tokens is None else tokens
     )
-    spec.check(cfg.total_ut_steps, args.adaptive_depth)
+    spec.check(cfg.total_ut_steps)
     return spec
 
 

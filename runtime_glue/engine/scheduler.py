@@ -1,8 +1,12 @@
-"""The engine's scheduling: which requests a step runs, how many of their tokens, with which
-pages (``runtime_glue.engine.core`` describes the rules: FCFS admission with the prefix cache,
-pages taken as tokens cross into them, the newest running request preempted when none can be
-had, prompt rows first). A mixin of :class:`runtime_glue.engine.core.Engine`, whose state it
-reads and changes; nothing else calls it. :class:`EngineConfig`: the budgets it schedules by."""
+"""The scheduler: which requests a step runs, how many of their tokens, with which pages.
+
+FCFS admission with the prefix cache, pages taken as tokens cross into them, the newest
+running request preempted when none can be had (``runtime_glue.engine.core`` describes the
+rules), rows ordered prompt, generated, draft, verify. It owns the waiting and running queues
+and the requests' pages, and emits each step's plan (``runtime_glue.engine.step.Scheduled``);
+speculation tells it which rows a request runs (``Speculator.entry``), and kv sharing which
+blocks are generated blocks (``SharedBlocks``). :class:`EngineConfig`: the budgets it
+schedules by."""
 
 from __future__ import annotations
 
@@ -10,11 +14,12 @@ from collections import deque
 
 import attrs
 
-from hal.shared_kv import check_kv_sharing
+from hal.shared_kv import check_kv_sharing, prompt_blocks
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, Status
 from runtime_glue.engine.shared_blocks import SharedBlocks
 from runtime_glue.engine.speculative import Entry, Speculator
+from runtime_glue.engine.step import Scheduled
 
 
 @attrs.frozen
@@ -38,16 +43,39 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
 
 
-class Scheduling:
+class Scheduler:
     """Scheduling and page management of the engine's requests."""
 
-    config: EngineConfig
-    allocator: BlockAllocator
-    shared: SharedBlocks | None
-    speculator: Speculator | None
-    running: list[Request]
-    waiting: deque[Request]
-    stats: dict[str, int]
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: BlockAllocator,
+        shared: SharedBlocks | None,
+        speculator: Speculator | None,
+        stats: dict[str, int],
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.shared = shared
+        self.speculator = speculator
+        self.stats = stats  # the engine's counters: preemptions, prefix-cache queries and hits
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def schedule(self) -> list[Scheduled]:
+        """The next step's plan, in row order; [] when nothing can run now."""
+        return [Scheduled(req, n, self.entry(req)) for req, n in self._schedule()]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of its queue and release its pages (it finished or was aborted)."""
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+        self._release(req)
 
     def _schedule(self) -> list[tuple[Request, int]]:
         budget = self.config.max_num_batched_tokens
@@ -56,7 +84,7 @@ class Scheduling:
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted for an older request in this loop
-            entry = self._entry(req)
+            entry = self.entry(req)
             n = self._chunk(req, budget) if entry is None else entry.n * (entry.n <= budget)
             start = req.num_computed if entry is None else entry.ctx
             if n and self._pages_for(req, start + n):
@@ -80,9 +108,9 @@ class Scheduling:
         # generated positions (runtime_glue.ouro.plan), and a step's prompt rows form one block.
         # Drafting and verifying rows follow (runtime_glue.ouro.loops).
         plan = [(r, n) for r, n in plan if r.status is Status.RUNNING]
-        return sorted(plan, key=lambda entry: Speculator.order(entry[0], self._entry(entry[0])))
+        return sorted(plan, key=lambda entry: Speculator.order(entry[0], self.entry(entry[0])))
 
-    def _entry(self, req: Request) -> Entry | None:
+    def entry(self, req: Request) -> Entry | None:
         """The rows ``req`` drafts or verifies next; None for an ordinary step."""
         return None if self.speculator is None else self.speculator.entry(req)
 
@@ -102,11 +130,14 @@ class Scheduling:
 
     def _needs(self, req: Request, tokens: int) -> tuple[int, int]:
         """The prompt blocks and generated blocks ``req`` lacks for its first ``tokens``
-        positions (every block is a prompt block without kv sharing)."""
-        split = len(req.prompt_ids) if self.shared is not None else tokens
-        prompt = self.allocator.blocks_for(min(tokens, split)) - len(req.blocks)
-        generated = self.allocator.blocks_for(max(0, tokens - split)) - len(req.gen_blocks)
-        return max(0, prompt), max(0, generated)
+        positions. Without kv sharing every block is a prompt block; with it, the blocks the
+        prompt reaches are (its last one also holds the first generated positions) and the
+        later ones are generated blocks (``hal.shared_kv``)."""
+        blocks = self.allocator.blocks_for(tokens)
+        split = blocks
+        if self.shared is not None:
+            split = min(blocks, prompt_blocks(len(req.prompt_ids), self.allocator.block_size))
+        return max(0, split - len(req.blocks)), max(0, blocks - split - len(req.gen_blocks))
 
     def _take(self, req: Request, tokens: int) -> bool:
         """Allocate the blocks ``req`` lacks for its first ``tokens`` positions: all or none."""
@@ -192,7 +223,7 @@ class Scheduling:
         self.running.append(req)
         return True
 
-    def _register_full_prompt_blocks(self, req: Request) -> None:
+    def register_prompt_blocks(self, req: Request) -> None:
         """Offer the prompt's blocks this step filled to the prefix cache."""
         if not self.config.enable_prefix_caching:
             return

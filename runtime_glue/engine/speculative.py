@@ -34,13 +34,11 @@ Only prompt blocks enter the prefix cache, as without speculation.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 
 import attrs
 import torch
 
 from runtime_glue.engine.request import Request, SpecRound
-from runtime_glue.ouro.loops import LoopRows
 
 MAX_SPECULATIVE_TOKENS = 63  # a verify step's rows fit one generated-row tile (64)
 
@@ -50,13 +48,9 @@ class SpeculativeConfig:
     loops: int  # E: the draft runs loops 0 .. E-1
     tokens: int  # K: drafts per round, unless a request asks for fewer (or none)
 
-    def check(self, total_loops: int, adaptive_depth: bool) -> None:
-        """Raise ValueError for a configuration speculation cannot keep exact."""
-        if adaptive_depth:
-            raise ValueError(
-                "--speculative-loops cannot be combined with --adaptive-depth: adaptive depth "
-                "changes the model's arithmetic, and speculation verifies against the full depth"
-            )
+    def check(self, total_loops: int) -> None:
+        """Raise ValueError for a number of loops or tokens speculation cannot run with (the
+        options it does not combine with: ``runtime_glue.engine.args.REFUSED``)."""
         if not 1 <= self.loops <= total_loops - 1:
             raise ValueError(
                 f"speculative_loops must be in [1, {total_loops - 1}] (the model runs "
@@ -78,13 +72,11 @@ class SpeculativeConfig:
 
 @attrs.frozen
 class Entry:
-    """A request's rows in a step: which kind, where they start, their tokens, which rows
-    are sampled (offsets within the entry)."""
+    """A request's rows in a step: which kind, where they start, their tokens."""
 
     kind: str  # "draft" or "verify"
     ctx: int
     ids: tuple[int, ...]
-    samples: tuple[int, ...]
 
     @property
     def n(self) -> int:
@@ -120,8 +112,8 @@ class Speculator:
         token = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
         if j <= spec.k:  # draft step j: position c + j
             ids = (token,) if j == 0 else (spec.drafts[j - 1],)
-            return Entry("draft", c + j, ids, (0,) if j < spec.k else ())
-        return Entry("verify", c, (token, *spec.drafts), tuple(range(spec.k + 1)))
+            return Entry("draft", c + j, ids)
+        return Entry("verify", c, (token, *spec.drafts))
 
     @staticmethod
     def order(req: Request, entry: Entry | None) -> int:
@@ -130,49 +122,18 @@ class Speculator:
             return 0 if req.in_prefill else 1
         return 2 if entry.kind == "draft" else 3
 
-    def loop_rows(
-        self,
-        plan: Sequence[tuple[Request, Entry | None, int]],
-        normal_samples: int,
-        like: torch.Tensor,
-    ) -> LoopRows | None:
-        """The step's split into row groups (``runtime_glue.ouro.loops``), None if no request
-        drafts or verifies. ``plan``: (request, entry, rows) in step order; ``like``: a
-        ``[vocab, H]`` tensor of the model's device and dtype."""
-        drafts = [(r, e) for r, e, _ in plan if e is not None and e.kind == "draft"]
-        verifies = [(r, e) for r, e, _ in plan if e is not None and e.kind == "verify"]
-        if not drafts and not verifies:
-            return None
-        normal = [(r, n) for r, e, n in plan if e is None]
-        gated = any(r.exit_mode.kind in ("threshold", "weighted") for r, _, _ in plan)
-        states = [s for r, _ in verifies for s in r.spec.states]  # type: ignore[union-attr]
-        E = self.config.loops
-        verify_states = torch.stack(states) if states else like.new_empty(0, E, like.shape[1])
-        verify_gates = None
-        if gated and states:  # a request that exits by the last loop may have none: unused
-            kept = [g for r, _ in verifies for g in r.spec.gates]  # type: ignore[union-attr]
-            verify_gates = torch.stack([like.new_zeros(E) if g is None else g for g in kept])
-        return LoopRows(
-            E,
-            len(normal),
-            len(drafts),
-            sum(n for _, n in normal),
-            len(drafts),
-            normal_samples,
-            tuple(i for i, (_, e) in enumerate(drafts) if e.samples),
-            verify_states,
-            verify_gates,
-            gated,
-        )
-
-    def drafted(self, req: Request, tokens: list[int], state, gates) -> None:
-        """A draft step's results: the state of its position, and its draft if it took one."""
+    def drafted(
+        self, req: Request, token: int, state: torch.Tensor, gates: torch.Tensor | None
+    ) -> None:
+        """A draft step's results: the state of its position (``[E, H]``, after each draft
+        loop) and its gates; its draft token, if this step takes one."""
         spec = req.spec
         assert spec is not None
+        wants = len(spec.states) < spec.k  # the round's last draft step only keeps its state
         spec.states.append(state)
         spec.gates.append(gates)
-        if tokens:
-            spec.drafts.append(tokens[0])
+        if wants:
+            spec.drafts.append(token)
             self.stats["spec_drafted"] += 1
 
     def verified(self, req: Request, tokens: list[int]) -> list[int]:

@@ -20,6 +20,8 @@ gate's dtype (bf16), the threshold test on a ``cumsum`` in that dtype.
 
 from __future__ import annotations
 
+import struct
+
 import attrs
 import torch
 
@@ -70,9 +72,44 @@ def exit_pdf(gates: torch.Tensor) -> torch.Tensor:
     return torch.stack(pdf, dim=-1)
 
 
-def threshold_steps(pdf: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The exit loop of each row of ``pdf [X, T]`` under ``threshold`` (int64 ``[X]``), chosen
-    on the device (``torch.where``, not a masked assignment that would read it back)."""
-    reached = torch.cumsum(pdf, dim=-1) >= threshold
-    first = torch.argmax(reached.float(), dim=-1)
-    return torch.where(reached.any(dim=-1), first, pdf.shape[-1] - 1)
+def bf16_bits(x: float) -> int:
+    """The bfloat16 bit pattern torch gives a Python float (via float32, nearest even): how a
+    threshold travels to the device with a step's other integers."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@attrs.frozen(eq=False)
+class ExitRule:
+    """Each sampled row's exit rule as device tensors, the same in an eager step and in a
+    replayed step graph (the exit loop chosen on the device: :meth:`loops`).
+
+    ``step``: the fixed loop (the last loop for rows that choose none, and for threshold rows
+    when no gate is needed); ``use_threshold`` and ``threshold`` (bf16 bits, compared in bf16
+    as the checkpoint's code compares a Python float with its bf16 ``cumsum``). On the host:
+    ``weighted``, the sampled rows with a weighted exit (eager steps only), and ``gated``,
+    whether any row needs the gate."""
+
+    step: torch.Tensor  # [R] int64
+    use_threshold: torch.Tensor  # [R] int64, 0 or 1
+    threshold: torch.Tensor  # [R] int64: bf16 bits
+    weighted: tuple[int, ...] = ()
+    gated: bool = False
+
+    @staticmethod
+    def host_values(modes, loops: int) -> tuple[list[int], list[int], list[int]]:
+        """The three per-row columns of ``modes`` (``ExitMode`` each) as host integers."""
+        step = [m.step if m.step is not None else loops - 1 for m in modes]
+        use = [int(m.kind == "threshold") for m in modes]
+        bits = [bf16_bits(m.threshold) if m.kind == "threshold" else 0 for m in modes]
+        return step, use, bits
+
+    def loops(self, pdf: torch.Tensor | None) -> torch.Tensor:
+        """The loop each row's logits are read from ``[R]``; ``pdf [R, T]`` when gated."""
+        if pdf is None:
+            return self.step
+        threshold = self.threshold.to(torch.int16).view(torch.bfloat16).to(pdf.dtype)
+        reached = torch.cumsum(pdf, dim=-1) >= threshold[:, None]
+        first = torch.argmax(reached.float(), dim=-1)
+        by_threshold = torch.where(reached.any(dim=-1), first, pdf.shape[-1] - 1)
+        return torch.where(self.use_threshold.bool(), by_threshold, self.step)

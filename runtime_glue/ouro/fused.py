@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from hal.interfaces import Driver
-from hal.types import AttentionMetadata
+from hal.types import KVAddressing
 from runtime_glue.ouro.plan import ExecutionPlan
 
 
@@ -31,26 +31,26 @@ class FusedLoop:
         self.add_rms_norm = driver.kernel("add_rms_norm", fused["add_rms_norm"]).fn
         self.rotary = driver.kernel("rotary", fused["rotary"]).fn
 
-    def loop(self, t: int, h: torch.Tensor, cos, sin, meta: AttentionMetadata, rows):
+    def loop(self, t: int, h: torch.Tensor, cos, sin, kv: KVAddressing, rows):
         m, eps = self.model, self.model.cfg.rms_norm_eps
         layers = m.layers
         x = rows("rms_norm", h, layers[0].ln, eps)
         cos, sin = cos[0], sin[0]  # [N, d]
         for li, w in enumerate(layers):
-            a = self.attention(t, li, x, cos, sin, meta, rows)
+            a = self.attention(t, li, x, cos, sin, kv, rows)
             x, h = self.add_rms_norm(rows("rms_norm", a, w.ln_2, eps), h, w.post_ln, eps)
             mlp = rows("down_proj", rows("silu_mul", rows("gate_up_proj", x, w.gate_up)), w.down)
             after = layers[li + 1].ln if li + 1 < len(layers) else m.norm
             x, h = self.add_rms_norm(rows("rms_norm", mlp, w.post_ln_2, eps), h, after, eps)
         return x
 
-    def attention(self, t: int, li: int, x, cos, sin, meta: AttentionMetadata, rows):
+    def attention(self, t: int, li: int, x, cos, sin, kv: KVAddressing, rows):
         m = self.model
         cfg, w, n = m.cfg, m.layers[li], x.shape[0]
         d, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         q, k, v = rows("qkv_proj", x, w.qkv).split((heads * d, kv_heads * d, kv_heads * d), -1)
         q, k = self.rotary(q.view(n, heads, d), k.view(n, kv_heads, d), cos, sin)
-        plane = t * cfg.num_hidden_layers + li
+        plane, meta = kv.plane(t, li), kv.meta(t)
         m.backend.write_kv(m.kv, plane, k, v.view(n, kv_heads, d), meta)
         o = m.backend.forward(q.transpose(0, 1)[None], plane, m.kv, meta, m.scaling)
         return rows("o_proj", o, w.o)

@@ -6,13 +6,20 @@
             h = h + ln2_l(attn_{t,l}(ln_l(h)))
             h = h + post_ln2_l(mlp_l(post_ln_l(h)))
         h = norm(h)                        # after every loop
-    logits = lm_head(h)                    # last loop, sampled rows only
+    logits = lm_head(h_exit)               # the exit rule's loop, sampled rows only
 
 All tokens of a step (every request, prefill and decode alike) travel as one flat batch of N
 rows, prompt positions first (``StepInputs.prompt_rows``). Every row-wise op runs the kernel
 the plan names for its rows' kind (``runtime_glue.ouro.plan``). Shapes and rounding follow Hugging
 Face's Llama modules so that, per request, the tensors handed to every kernel match HF's
 ([1, heads, S, d] for attention).
+
+:meth:`OuroModel.forward` is the one function that runs a step's loops; every way a row runs
+is data of the step: the loops it runs (:class:`Span`: a speculative draft stops after loop
+E - 1, a verify row starts at loop E from the state its draft kept, :class:`Kept`), where its
+K/V lives at each (loop, layer) plane (``hal.types.KVAddressing``), which loop its logits come
+from (``runtime_glue.ouro.exits.ExitRule``), and, under adaptive depth, when it leaves
+(``runtime_glue.ouro.adaptive``). Eager steps and captured step graphs both call it.
 """
 
 from __future__ import annotations
@@ -23,12 +30,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from hal.graphs import StaticDecodeMetadata
+from hal.graphs import StaticDecodeMetadata, context_bucket
 from hal.interfaces import Driver, KVStore
-from hal.shared_kv import select_metadata, write_kv
-from hal.types import AttentionMetadata
+from hal.types import KVAddressing
+from runtime_glue.ouro.adaptive import Adaptive
 from runtime_glue.ouro.config import OuroConfig
-from runtime_glue.ouro.exits import ExitMode, exit_pdf, threshold_steps
+from runtime_glue.ouro.exits import ExitRule, exit_pdf
 from runtime_glue.ouro.fused import FusedLoop
 from runtime_glue.ouro.plan import KINDS, OPS, ExecutionPlan, hal_op, row_function
 
@@ -43,18 +50,54 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @attrs.frozen(eq=False)
+class Span:
+    """Rows of a step that run ``loops`` together. A step without spans runs every row
+    through every loop; speculative steps have two (``runtime_glue.engine.speculative``)."""
+
+    loops: range
+    rows: torch.Tensor  # [n] int64: the step's rows in this span, in order
+    kv: KVAddressing  # of those rows
+    samples: torch.Tensor  # [m] int64: which sampled rows are among them ...
+    sample_at: torch.Tensor  # [m] int64: ... and where within the span
+    prompt_rows: int  # the span's first rows that are prompt positions
+
+
+@attrs.frozen(eq=False)
+class Kept:
+    """Rows that start after loop 0, from the states an earlier step kept (verify rows)."""
+
+    rows: torch.Tensor  # [V] int64: their rows in the step
+    samples: torch.Tensor  # [V] int64: their sampled-row indices
+    states: torch.Tensor  # [V, E, H]: the state after each of loops 0 .. E-1
+    gates: torch.Tensor | None  # [V, E]: the gate after each, when the step is gated
+
+
+@attrs.frozen(eq=False)
 class StepInputs:
     """One step's rows: every request's new tokens, prompt positions first."""
 
     input_ids: torch.Tensor  # [N] int64, on the device
     positions: torch.Tensor  # [N] int64, on the device
-    attention: AttentionMetadata
+    kv: KVAddressing  # where each row's K/V lives at every (loop, layer) plane
     sample_rows: torch.Tensor  # [R] int64: rows whose logits are wanted
     prompt_rows: int  # rows [0, prompt_rows) are prompt positions, the rest generated ones
     prompt_samples: int  # sample_rows[:prompt_samples] are prompt rows
     max_position: int  # the largest of positions (known on the host: no device read)
-    exit_modes: tuple[ExitMode, ...] = ()  # per sampled row; () means the last loop for all
-    host_sample_rows: tuple[int, ...] = ()  # sample_rows, on the host
+    exits: ExitRule  # per sampled row
+    host_sample_rows: tuple[int, ...]  # sample_rows, on the host
+    spans: tuple[Span, ...] = ()  # (): one span, every row through every loop
+    kept: Kept | None = None
+    modes: tuple = ()  # per sampled row, ExitMode (adaptive depth reads the thresholds)
+
+
+@attrs.frozen(eq=False)
+class StepOutput:
+    """What a step computed for its sampled rows, on the device."""
+
+    logits: torch.Tensor  # [R, vocab]: the chosen loop's logits
+    chosen: torch.Tensor  # [R] int64: the loop each row's logits came from
+    states: torch.Tensor  # [T, R, H]: each sampled row's state after every loop
+    gates: torch.Tensor | None  # [T, R]: its gate after every loop, when gated
 
 
 @attrs.frozen
@@ -175,7 +218,7 @@ class OuroModel:
             self._sin = torch.cat((self._sin, emb.sin().to(self._sin.dtype)), dim=1)
         return self._cos[:, positions], self._sin[:, positions]
 
-    def attention(self, t: int, li: int, x, cos, sin, meta: AttentionMetadata, rows: RowOps):
+    def attention(self, t: int, li: int, x, cos, sin, kv: KVAddressing, rows: RowOps):
         w, cfg, n = self.layers[li], self.cfg, x.shape[0]
         d, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         if self.plan.stacked:
@@ -191,8 +234,8 @@ class OuroModel:
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, d]
         q = q * cos + rotate_half(q) * sin  # [1, Hq, N, d]
         k = k * cos + rotate_half(k) * sin  # [1, Hkv, N, d]
-        plane = t * cfg.num_hidden_layers + li
-        write_kv(self.kv, plane, k[0].transpose(0, 1), v[0].transpose(0, 1), meta)
+        plane, meta = kv.plane(t, li), kv.meta(t)
+        self.backend.write_kv(self.kv, plane, k[0].transpose(0, 1), v[0].transpose(0, 1), meta)
         o = self.backend.forward(  # [N, Hq * d]
             q, plane, self.kv, meta, self.scaling, deterministic=self.plan.deterministic
         )
@@ -209,9 +252,9 @@ class OuroModel:
             act = self.silu_mul(gate, up)
         return rows("down_proj", act, w.down)
 
-    def layer(self, t: int, li: int, h, cos, sin, meta, rows: RowOps):
+    def layer(self, t: int, li: int, h, cos, sin, kv: KVAddressing, rows: RowOps):
         w, eps = self.layers[li], self.cfg.rms_norm_eps
-        a = self.attention(t, li, rows("rms_norm", h, w.ln, eps), cos, sin, meta, rows)
+        a = self.attention(t, li, rows("rms_norm", h, w.ln, eps), cos, sin, kv, rows)
         h = h + rows("rms_norm", a, w.ln_2, eps)
         m = self.mlp(li, rows("rms_norm", h, w.post_ln, eps), rows)
         if self.recorder is not None:
@@ -221,190 +264,133 @@ class OuroModel:
             self.recorder(t, li, "residual", h)
         return h
 
-    @torch.inference_mode()
-    def loop(self, t: int, h, cos, sin, meta, rows: RowOps) -> torch.Tensor:
-        """Loop ``t``: every layer, then the final norm (the fused loop in ``--mode fast``).
-        Eager steps and captured step graphs both run a loop through here."""
+    def loop(self, t: int, h, cos, sin, kv: KVAddressing, rows: RowOps) -> torch.Tensor:
+        """Loop ``t``: every layer, then the final norm (the fused loop in ``--mode fast``)."""
         if self.fused is not None:
-            return self.fused.loop(t, h, cos, sin, meta, rows)
+            return self.fused.loop(t, h, cos, sin, kv, rows)
         for li in range(self.cfg.num_hidden_layers):
-            h = self.layer(t, li, h, cos, sin, meta, rows)
+            h = self.layer(t, li, h, cos, sin, kv, rows)
         return rows("rms_norm", h, self.norm, self.cfg.rms_norm_eps)
 
-    def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chosen loops' logits ``[R, vocab]`` (bf16) for ``step.sample_rows``, and the loop
-        each row's logits came from (``[R]`` int64), both on the device."""
-        split = self.plan.split
-        rows = RowOps(self.kernels, step.prompt_rows if split else None)
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> StepOutput:
+        """Every row through its loops, then the exit rule and the lm_head for the sampled
+        rows: ``StepOutput`` (logits ``[R, vocab]`` bf16, exit loops, states, gates)."""
+        T, R = self.cfg.total_ut_steps, step.sample_rows.shape[0]
         h = F.embedding(step.input_ids, self.embed)  # [N, H]
         cos, sin = self.rope(step.positions, step.max_position)
-        T = self.cfg.total_ut_steps
-        modes = step.exit_modes or (ExitMode(),) * step.sample_rows.shape[0]
-        gated = any(m.kind in ("threshold", "weighted") for m in modes)
-        early = Adaptive.start(self, step, modes) if self.plan.adaptive_depth else None
-        hs: list[torch.Tensor] = []  # h_t of the sampled rows, per loop
-        gates: list[torch.Tensor] = []
-        meta: AttentionMetadata | StaticDecodeMetadata = step.attention
-        eager = step.attention
-        if self.fused is not None and early is None and eager.num_tokens == eager.num_requests:
-            # The fast plan's decode form, eager as in a step graph (hal.graphs): its bits
-            # do not depend on whether the step was replayed.
-            meta = StaticDecodeMetadata.bucketed(eager)
-        for t in range(T):
-            if h.shape[0]:  # adaptive depth may have sent every row home
-                h = self.loop(t, h, cos, sin, meta, rows)
-            if early is not None and t < T - 1:
-                h, cos, sin, meta = early.after_loop(t, h, cos, sin, meta)
-            sampled_h = (
-                early.sampled(h) if early is not None else h.index_select(0, step.sample_rows)
+        kept = step.kept
+        if kept is not None:  # verify rows start from the state their drafts kept
+            h = h.index_copy(0, kept.rows, kept.states[:, -1])
+        hs: list[list] = [[] for _ in range(T)]  # per loop: (sampled rows, their states)
+        gates: list[list] = [[] for _ in range(T)]
+        early = Adaptive.start(self, step) if self.plan.adaptive_depth else None
+        spans = step.spans or (None,)
+        for span in spans:
+            x, c, s = (h, cos, sin) if span is None else self._enter(span, h, cos, sin)
+            kv = self._decode_form(step.kv if span is None else span.kv, step.kv, early)
+            split = step.prompt_rows if span is None else span.prompt_rows
+            ops = RowOps(self.kernels, split if self.plan.split else None)
+            for t in range(T) if span is None else span.loops:
+                if x.shape[0]:  # adaptive depth may have sent every row home
+                    x = self.loop(t, x, c, s, kv, ops)
+                if early is not None and t < T - 1:
+                    x, c, s, kv = early.after_loop(t, x, c, s, kv)
+                at = None if span is None else span.samples
+                picked = self._picked(x, step, span, early)
+                hs[t].append((at, picked))
+                if step.exits.gated:
+                    gates[t].append((at, self._gate(x, picked, step, span, early)))
+            if span is not None and len(spans) > 1:
+                h = h.index_copy(0, span.rows, x)  # the next span continues from here
+        states = torch.stack(
+            [self._assemble(parts, R, kept, t, "states") for t, parts in enumerate(hs)]
+        )
+        gate_t = None
+        if step.exits.gated:
+            gate_t = torch.stack(
+                [self._assemble(parts, R, kept, t, "gates") for t, parts in enumerate(gates)]
             )
-            hs.append(sampled_h)
-            if gated:
-                gates.append(self._gate(h, sampled_h, step, per_row=early is not None))
-        return self._exit_logits(hs, gates, step, modes, early)
+        return self._exit(states, gate_t, step, early)
+
+    def _enter(self, span: Span, h, cos, sin):
+        return h.index_select(0, span.rows), cos[:, span.rows], sin[:, span.rows]
+
+    def _decode_form(self, kv: KVAddressing, whole: KVAddressing, early) -> KVAddressing:
+        """The fast plan runs a decode-only step in its static decode form, eager as in a step
+        graph (``hal.graphs``), in the whole step's context bucket (every span's): its bits do
+        not depend on whether the step was replayed."""
+        base, step = kv.base, whole.base
+        if self.fused is None or early is not None or isinstance(base, StaticDecodeMetadata):
+            return kv
+        if not base.num_requests or step.num_tokens != step.num_requests:
+            return kv
+        bs = step.block_size
+        width = context_bucket(max(-(-(c + 1) // bs) for c in step.host_context_lens))
+        return kv.map(lambda meta: StaticDecodeMetadata.bucketed(meta, width))
+
+    def _picked(self, x, step: StepInputs, span: Span | None, early) -> torch.Tensor:
+        """The state of the span's sampled rows after this loop."""
+        if early is not None:
+            return early.sampled(x)
+        return x.index_select(0, step.sample_rows if span is None else span.sample_at)
+
+    def _assemble(self, parts, R: int, kept: Kept | None, t: int, what: str) -> torch.Tensor:
+        """One loop's value for every sampled row, from the spans that ran it and, for rows
+        that start later, what their drafts kept (rows that stopped earlier: zeros, unread)."""
+        if len(parts) == 1 and parts[0][0] is None:
+            return parts[0][1]
+        like = parts[0][1]
+        out = like.new_zeros((R, *like.shape[1:]))
+        if kept is not None:
+            source = kept.states if what == "states" else kept.gates
+            if source is not None and t < source.shape[1]:
+                out = out.index_copy(0, kept.samples, source[:, t])
+        for at, value in parts:
+            out = out.index_copy(0, at, value)
+        return out
 
     def _sampled_ops(self, step: StepInputs) -> RowOps:
         return RowOps(self.kernels, step.prompt_samples if self.plan.split else None)
 
-    def _gate(self, h, sampled_h, step: StepInputs, per_row: bool = False) -> torch.Tensor:
+    def _gate(self, x, picked, step: StepInputs, span, early) -> torch.Tensor:
         """One loop's gate values: of every row of the step in HF-exact mode (the shapes HF
         computes them in: all positions, ``F.linear`` with its bias), of the sampled rows
-        through the plan's kernel in deterministic mode or with adaptive depth."""
-        if self.plan.deterministic or per_row:
-            g = self._sampled_ops(step)("exit_gate", sampled_h, self.gate_weight)
+        through the plan's kernel in deterministic mode, with adaptive depth or spans."""
+        if self.plan.deterministic or early is not None or span is not None:
+            g = self._sampled_ops(step)("exit_gate", picked, self.gate_weight)
             return (g + self.gate_bias)[:, 0]  # [R]
-        return F.linear(h, self.gate_weight, self.gate_bias)[:, 0]  # [N]
+        return F.linear(x, self.gate_weight, self.gate_bias)[:, 0]  # [N]
 
-    def _pdf(self, gates: list[torch.Tensor], step: StepInputs) -> torch.Tensor:
+    def _pdf(self, gates: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """The exit distribution of each sampled row ``[R, T]``."""
-        stacked = torch.stack(gates)  # [T, N] or [T, R]
-        if stacked.shape[1] != len(step.host_sample_rows):  # all rows, as HF, then the sampled
-            return exit_pdf(stacked).index_select(0, step.sample_rows)
+        if gates.shape[1] != len(step.host_sample_rows):  # all rows, as HF, then the sampled
+            return exit_pdf(gates).index_select(0, step.sample_rows)
         # One row at a time: every call has the same shape, whatever the step holds.
-        return torch.cat([exit_pdf(stacked[:, r : r + 1]) for r in range(stacked.shape[1])])
+        return torch.cat([exit_pdf(gates[:, r : r + 1]) for r in range(gates.shape[1])])
 
-    def _exit_logits(self, hs, gates, step: StepInputs, modes, early):
-        T, R = len(hs), len(modes)
-        device = hs[0].device
-        # Fixed loops known on the host, copied once (not a device write per row).
-        fixed = [m.step if m.step is not None else T - 1 for m in modes]
-        chosen = torch.tensor(fixed, dtype=torch.int64, device=device)
-        pdf = self._pdf(gates, step) if gates else None
-        for q in {m.threshold for m in modes if m.kind == "threshold"}:
-            rows_q = [r for r, m in enumerate(modes) if m.kind == "threshold" and m.threshold == q]
-            picked = torch.tensor(rows_q, device=device)
-            assert pdf is not None
-            chosen.index_copy_(0, picked, threshold_steps(pdf.index_select(0, picked), q))
+    def _exit(self, states, gates, step: StepInputs, early) -> StepOutput:
+        """The exit rule and the lm_head, in one place for every kind of step."""
+        R = states.shape[1]
+        pdf = self._pdf(gates, step) if gates is not None else None
+        chosen = step.exits.loops(pdf)
         if early is not None:
             chosen = early.exit_steps(chosen)
-        stacked = torch.stack(hs)  # [T, R, H]
-        selected = stacked[chosen, torch.arange(R, device=device)]  # [R, H]
+        selected = states[chosen, torch.arange(R, device=states.device)]  # [R, H]
         logits = self._sampled_ops(step)("lm_head", selected, self.lm_head)  # [R, V]
-        weighted = [r for r, m in enumerate(modes) if m.kind == "weighted"]
+        weighted = step.exits.weighted
         if weighted:
             assert pdf is not None
-            idx = torch.tensor(weighted, device=device)
+            idx = torch.tensor(weighted, device=states.device)
             ops = RowOps(self.kernels, sum(r < step.prompt_samples for r in weighted))
             expected: torch.Tensor | None = None
-            for t in range(T):
-                step_logits = ops("lm_head", stacked[t].index_select(0, idx), self.lm_head)
+            for t in range(states.shape[0]):
+                step_logits = ops("lm_head", states[t].index_select(0, idx), self.lm_head)
                 weight = pdf.index_select(0, idx)[:, t : t + 1].to(step_logits.dtype)
                 term = step_logits * weight
                 expected = term if expected is None else expected + term
             assert expected is not None
             logits.index_copy_(0, idx, expected)
-        return logits, chosen
-
-
-class Adaptive:
-    """Adaptive depth, for one step: a decode row whose cumulative exit probability reaches its
-    threshold after loop ``t`` leaves the batch, and its later loops are not run.
-
-    The planes of the loops it skipped still need its K/V, which later tokens attend to: they
-    get the K/V of its last computed loop at the same layer (plane ``t * L + l`` copied to
-    ``t' * L + l`` for every skipped ``t'``). This approximates the checkpoint's own arithmetic,
-    which runs every loop (docs/benchmarks.md measures how often tokens still agree). Deciding
-    who leaves reads the exit test back from the device once per loop.
-    """
-
-    def __init__(self, model: OuroModel, step: StepInputs, exits: dict[int, float]) -> None:
-        self.model, self.step, self.exits = model, step, exits
-        self.batch = list(range(step.input_ids.shape[0]))  # original row of each batch row
-        self.remaining: dict[int, torch.Tensor | None] = dict.fromkeys(exits)  # prod (1 - lambda)
-        self.cumulative: dict[int, torch.Tensor] = {}
-        self.exited: dict[int, tuple[int, torch.Tensor]] = {}  # sampled row -> (loop, h_t)
-
-    @classmethod
-    def start(cls, model: OuroModel, step: StepInputs, modes) -> Adaptive | None:
-        """Only decode rows (one row of a generated position, sampled) in threshold mode."""
-        meta = step.attention
-        one_row = {meta.request(q)[0] for q in range(meta.num_requests) if meta.request(q)[1] == 1}
-        exits = {
-            r: m.threshold
-            for r, m in enumerate(modes)
-            if m.kind == "threshold"
-            and r >= step.prompt_samples
-            and step.host_sample_rows[r] in one_row
-        }
-        return cls(model, step, exits) if exits else None
-
-    def after_loop(self, t: int, h, cos, sin, meta):
-        """Test the rows still in the batch after loop ``t``; drop those that exit."""
-        leaving = [r for r in self._still_in() if self._reached(r, t, h)]
-        if not leaving:
-            return h, cos, sin, meta
-        for r in leaving:
-            position = self.batch.index(self.step.host_sample_rows[r])
-            self.exited[r] = (t, h[position : position + 1])
-            if meta.shared is None:  # under kv sharing its shared planes hold loop t's K/V
-                self._fill_skipped_planes(t, meta, position)
-        gone = {self.step.host_sample_rows[r] for r in leaving}
-        keep = [i for i, row in enumerate(self.batch) if row not in gone]
-        starts = meta.host_query_start_loc
-        requests = [q for q in range(meta.num_requests) if self.batch[starts[q]] not in gone]
-        self.batch = [self.batch[i] for i in keep]
-        index = torch.tensor(keep, dtype=torch.int64, device=h.device)
-        return (
-            h.index_select(0, index),
-            cos[:, index],
-            sin[:, index],
-            select_metadata(meta, requests),
-        )
-
-    def _still_in(self) -> list[int]:
-        return [r for r in self.exits if r not in self.exited]
-
-    def _reached(self, r: int, t: int, h: torch.Tensor) -> bool:
-        position = self.batch.index(self.step.host_sample_rows[r])
-        gate_fn = self.model.kernels["generated"]["exit_gate"]
-        g = gate_fn(h[position : position + 1], self.model.gate_weight) + self.model.gate_bias
-        lam = torch.sigmoid(g[0])  # [1], the same shape for every row
-        remaining = self.remaining[r]
-        p = lam if remaining is None else lam * remaining
-        self.remaining[r] = (1.0 - lam) if remaining is None else remaining * (1.0 - lam)
-        self.cumulative[r] = p if r not in self.cumulative else self.cumulative[r] + p
-        return bool(self.cumulative[r] >= self.exits[r])  # a read of the device, per loop
-
-    def _fill_skipped_planes(self, t: int, meta, position: int) -> None:
-        model, L = self.model, self.model.cfg.num_hidden_layers
-        slot = meta.slot_mapping[position : position + 1]
-        for li in range(L):
-            k, v = model.kv.gather(t * L + li, slot)  # [1, kv_heads, 1, d]
-            for later in range(t + 1, model.cfg.total_ut_steps):
-                model.kv.write(later * L + li, k[0].transpose(0, 1), v[0].transpose(0, 1), slot)
-
-    def sampled(self, h: torch.Tensor) -> torch.Tensor:
-        """This loop's state of each sampled row: an exited row keeps the state it exited with."""
-        parts = []
-        for r, row in enumerate(self.step.host_sample_rows):
-            if r in self.exited:
-                parts.append(self.exited[r][1])
-            else:
-                position = self.batch.index(row)
-                parts.append(h[position : position + 1])
-        return torch.cat(parts)
-
-    def exit_steps(self, chosen: torch.Tensor) -> torch.Tensor:
-        for r, (t, _) in self.exited.items():
-            chosen[r] = t
-        return chosen
+        if gates is not None and gates.shape[1] != R:  # HF-exact: every row's; keep the sampled
+            gates = gates.index_select(1, step.sample_rows)
+        return StepOutput(logits, chosen, states, gates)

@@ -1,0 +1,277 @@
+"""The input builder: the scheduler's plan for a step, on the host, then on the device.
+
+:class:`StepBuilder` turns the plan (which requests compute which rows) into a
+:class:`HostStep`: every row's token and position, where its K/V lives at every (loop, layer)
+plane (``hal.types.KVAddressing``: one metadata, or one per loop under kv sharing), which rows
+are sampled and by which exit rule, and, when some request drafts or verifies, the step's
+spans and kept states (``runtime_glue.ouro.model.Span``, ``Kept``). An eager step moves it to
+the device with one copy (:meth:`HostStep.inputs`); a captured step graph loads the same
+values into its static buffers (``runtime_glue.engine.graphs``). Both run
+``OuroModel.forward``.
+
+Rows, in order: prompt rows, generated rows, draft rows (loops 0 .. E-1 only), verify rows
+(loops E .. T-1, from the states their draft steps kept). A verify request's k + 1 rows
+enter the attention metadata as k + 1 one-row entries over the same pages, as plain decoding
+computes them: within a layer every row's K/V is written before any row attends, so row ``i``
+sees the rows before it. A step whose every entry has one row is *decode-only*.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from hal.shared_kv import build_shared_addressing
+from hal.types import AttentionMetadata, KVAddressing
+from runtime_glue.engine.request import Request
+from runtime_glue.engine.speculative import Entry
+from runtime_glue.ouro.exits import ExitMode, ExitRule
+from runtime_glue.ouro.model import Kept, Span, StepInputs
+
+
+@attrs.frozen
+class Scheduled:
+    """One request's part of a step: ``n`` rows, ordinary or speculative (``entry``)."""
+
+    req: Request
+    n: int
+    entry: Entry | None = None
+
+    @property
+    def kind(self) -> str:
+        """ "prompt", "generated", "draft" or "verify": the row group it belongs to."""
+        if self.entry is not None:
+            return self.entry.kind
+        return "prompt" if self.req.in_prefill else "generated"
+
+    @property
+    def ctx(self) -> int:
+        return self.req.num_computed if self.entry is None else self.entry.ctx
+
+    def samples(self) -> tuple[int, ...]:
+        """Which of its rows are sampled (offsets): the last of a chunk that completes its
+        tokens; every draft and verify row (a draft row's state is kept even when its
+        token is not wanted)."""
+        if self.entry is not None:
+            return tuple(range(self.n))
+        return (self.n - 1,) if self.req.num_computed + self.n == self.req.num_tokens else ()
+
+
+@attrs.define(eq=False)
+class HostStep:
+    """A step on the host. ``sampled``: the request of each sampled row, in order;
+    ``rows_of[i]``: the sampled rows of ``plan[i]``."""
+
+    plan: list[Scheduled]
+    ids: list[int]
+    positions: list[int]
+    kv: KVAddressing  # host tensors
+    groups: dict[str, int]  # rows per group: prompt, generated, draft, verify
+    entries: dict[str, int]  # attention entries per group
+    sample_rows: list[int]
+    sampled: list[Request]
+    rows_of: list[list[int]]
+    modes: list[ExitMode]
+    loops: int  # T
+    early: int | None  # E when some request drafts or verifies
+    kept_states: list[torch.Tensor]  # [E, H] per verify row (device)
+    kept_gates: list[torch.Tensor | None]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def prompt_rows(self) -> int:
+        return self.groups["prompt"]
+
+    @property
+    def prompt_samples(self) -> int:
+        return sum(r < self.prompt_rows for r in self.sample_rows)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.kv.base.num_tokens == self.kv.base.num_requests and not self.prompt_rows
+
+    @property
+    def token_positions(self) -> list[int]:
+        """The position of the token each sampled row chooses."""
+        return [self.positions[r] + 1 for r in self.sample_rows]
+
+    @property
+    def gated(self) -> bool:
+        """Whether the step computes the gate: some request exits by it (a draft row's own
+        rule is a fixed loop, but its request's verify step will need the gates it kept)."""
+        exits_by_gate = any(s.req.exit_mode.kind in ("threshold", "weighted") for s in self.plan)
+        return exits_by_gate and bool(self.sample_rows)
+
+    def exit_columns(self) -> list[list[int]]:
+        return list(ExitRule.host_values(self.modes, self.loops))
+
+    def inputs(self, device: torch.device, pin: bool = False) -> StepInputs:
+        """The step on ``device``, moved with one copy: what an eager step runs."""
+        host = [self.ids, self.positions, self.sample_rows, *self.exit_columns()]
+        spans = self._span_indices()
+        tensors = [torch.tensor(v, dtype=torch.int64) for v in (*host, *spans)]
+        kv, moved = self.kv.to(device, *tensors, pin=pin)
+        ids, positions, sample_rows, step, use, bits = moved[:6]
+        weighted = tuple(i for i, m in enumerate(self.modes) if m.kind == "weighted")
+        rule = ExitRule(step, use, bits, weighted, self.gated)
+        return StepInputs(
+            ids,
+            positions,
+            kv,
+            sample_rows,
+            self.prompt_rows,
+            self.prompt_samples,
+            max(self.positions),
+            rule,
+            tuple(self.sample_rows),
+            self._spans(kv, moved[6:]),
+            self._kept(moved[6:]),
+            tuple(self.modes),
+        )
+
+    # -- speculative steps: spans and kept states -----------------------------------------
+
+    def _span_indices(self) -> list[list[int]]:
+        """Host index lists: per span (rows, samples, sample_at), then the kept rows and
+        their samples; none without drafts or verifies."""
+        if self.early is None:
+            return []
+        g, n = self.groups, self.num_rows
+        normal = g["prompt"] + g["generated"]
+        drafts = range(normal, normal + g["draft"])
+        verifies = range(normal + g["draft"], n)
+        out = []
+        for rows in ([*range(normal), *drafts], [*range(normal), *verifies]):
+            at = {row: i for i, row in enumerate(rows)}
+            samples = [i for i, row in enumerate(self.sample_rows) if row in at]
+            out += [rows, samples, [at[self.sample_rows[i]] for i in samples]]
+        kept_samples = [i for i, row in enumerate(self.sample_rows) if row in verifies]
+        return [*out, list(verifies), kept_samples]
+
+    def _spans(self, kv: KVAddressing, t: list[torch.Tensor]) -> tuple[Span, ...]:
+        if self.early is None:
+            return ()
+        e = self.entries
+        normal = e["prompt"] + e["generated"]
+        first = range(normal + e["draft"])
+        second = [*range(normal), *range(normal + e["draft"], kv.base.num_requests)]
+        early = range(self.early)
+        late = range(self.early, self.loops)
+        return (
+            Span(early, t[0], kv.select(first), t[1], t[2], self.prompt_rows),
+            Span(late, t[3], kv.select(second), t[4], t[5], self.prompt_rows),
+        )
+
+    def _kept(self, t: list[torch.Tensor]) -> Kept | None:
+        if self.early is None or not self.kept_states:
+            return None
+        states = torch.stack(self.kept_states)  # [V, E, H]
+        gates = None
+        if self.gated:
+            like = states.new_zeros(self.early)
+            gates = torch.stack([like if g is None else g for g in self.kept_gates])
+        return Kept(t[6], t[7], states, gates)
+
+
+class StepBuilder:
+    """Builds every step's :class:`HostStep` (``kv_sharing``: generated blocks addressed by
+    ``hal.shared_kv``; ``early``: the draft's loops when speculation is on)."""
+
+    def __init__(self, cfg, block_size: int, num_blocks: int, sharing: bool, early: int | None):
+        self.layers, self.loops = cfg.num_hidden_layers, cfg.total_ut_steps
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.sharing, self.early = sharing, early
+
+    def build(self, plan: list[Scheduled]) -> HostStep:
+        ids: list[int] = []
+        positions: list[int] = []
+        entries: list[tuple] = []
+        groups = dict.fromkeys(("prompt", "generated", "draft", "verify"), 0)
+        counts = dict(groups)
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        rows_of: list[list[int]] = []
+        modes: list[ExitMode] = []
+        kept_states: list[torch.Tensor] = []
+        kept_gates: list[torch.Tensor | None] = []
+        for s in plan:
+            req, ctx, start = s.req, s.ctx, len(ids)
+            ids += req.tokens(ctx, ctx + s.n) if s.entry is None else list(s.entry.ids)
+            positions += range(ctx, ctx + s.n)
+            rows = [(s.n, ctx)] if s.kind != "verify" else [(1, ctx + i) for i in range(s.n)]
+            entries += [self._entry(req, n, c) for n, c in rows]
+            groups[s.kind] += s.n
+            counts[s.kind] += len(rows)
+            mine = [start + i for i in s.samples()]
+            rows_of.append(list(range(len(sample_rows), len(sample_rows) + len(mine))))
+            sample_rows += mine
+            sampled += [req] * len(mine)
+            mode = req.exit_mode
+            if s.kind == "draft" and self.early is not None:  # a draft is loop E-1's choice
+                mode = ExitMode(step=self.early - 1)
+            modes += [mode] * len(mine)
+            if s.kind == "verify":
+                assert req.spec is not None
+                kept_states += req.spec.states
+                kept_gates += req.spec.gates
+        speculative = groups["draft"] + groups["verify"] > 0
+        return HostStep(
+            plan,
+            ids,
+            positions,
+            self._addressing(entries),
+            groups,
+            counts,
+            sample_rows,
+            sampled,
+            rows_of,
+            modes,
+            self.loops,
+            self.early if speculative else None,
+            kept_states,
+            kept_gates,
+        )
+
+    def _entry(self, req: Request, n: int, ctx: int) -> tuple:
+        if not self.sharing:
+            return (n, ctx, req.blocks)
+        return (n, ctx, req.blocks, len(req.prompt_ids), req.gen_blocks)
+
+    def _addressing(self, entries: list[tuple]) -> KVAddressing:
+        bs, nb = self.block_size, self.num_blocks
+        if self.sharing:
+            return build_shared_addressing(bs, entries, nb, self.layers, self.loops)
+        meta = AttentionMetadata.build(bs, entries, nb * bs)  # checked on the host
+        return KVAddressing.uniform(meta, self.layers, nb * bs)
+
+
+def sequence_inputs(
+    device: torch.device,
+    kv: KVAddressing,
+    ids: list[int],
+    ctx: int,
+    prompt: bool,
+    modes: list[ExitMode],
+    loops: int,
+    sample_rows: list[int] | None = None,
+) -> StepInputs:
+    """One sequence's rows ``ids`` at positions ``ctx ..``, outside the engine (perplexity,
+    evaluation): every row a prompt position or every row a generated one; ``sample_rows``
+    (default every row) by ``modes``, one each. ``kv``: host addressing of those rows."""
+    n = len(ids)
+    rows = list(range(n)) if sample_rows is None else sample_rows
+    step, use, bits = ExitRule.host_values(modes, loops)
+    host = [ids, list(range(ctx, ctx + n)), rows, step, use, bits]
+    kv, moved = kv.to(device, *(torch.tensor(v, dtype=torch.int64) for v in host))
+    weighted = tuple(i for i, m in enumerate(modes) if m.kind == "weighted")
+    gated = any(m.kind in ("threshold", "weighted") for m in modes)
+    rule = ExitRule(moved[3], moved[4], moved[5], weighted, gated)
+    prompt_rows = n if prompt else 0
+    prompt_samples = len(rows) if prompt else 0
+    return StepInputs(
+        moved[0], moved[1], kv, moved[2], prompt_rows, prompt_samples, ctx + n - 1, rule,
+        tuple(rows), modes=tuple(modes),
+    )  # fmt: skip

@@ -1,0 +1,127 @@
+"""Features that combine, each with the guarantee it keeps, on the EMULATED npu (a test double
+for step graphs and fused kernels, ``drivers.npu``) and cpu; and the pairs that are refused,
+from one declaration with its reason (``runtime_glue.engine.args.REFUSED``).
+
+- speculation x step graphs: draft and verify steps are captured; a replayed step equals the
+  same step run eagerly bit for bit in every mode, and in deterministic mode speculative
+  tokens and logits equal plain decoding's.
+- speculation x fast mode: no bits are promised (fast mode keeps none); greedy tokens agree
+  with plain fast-mode decoding as measured here.
+- kv sharing x step graphs: bit for bit the sharing reference in HF-exact mode, replayed.
+- kv sharing x fast mode: the sharing arithmetic in the fused loop, within fast mode's
+  tolerance of the exact plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime_glue.engine.args import REFUSED, EngineArgs
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from tests.helpers import GREEDY, prompt_of
+from tests.test_kv_sharing import PROMPTS, run_sharing_case
+from tests.test_step_graphs import _assert_same, _requests, _run
+
+SPEC = dict(speculative_loops=1, num_speculative_tokens=3)
+MODES = {
+    "deterministic": dict(deterministic=True),
+    "hf-exact": dict(deterministic=False),
+    "fast": dict(mode="fast"),
+}
+
+
+def _npu(ckpt, mode: str, graphs: bool, **options) -> LLM:
+    options = {"block_size": 16, "num_blocks": 48, "max_num_seqs": 4, **options}
+    return LLM(ckpt, device="npu", step_graphs=graphs, **MODES[mode], **options)
+
+
+def _shapes(llm: LLM) -> set[tuple[int, int, int]]:
+    assert llm.engine.graphs is not None, llm.plan.admissions
+    return {shape.rows for shape in llm.engine.graphs._graphs}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_speculative_steps_replayed_from_graphs_equal_the_same_steps_run_eagerly(tiny_ckpt, mode):
+    requests = _requests(3, max_tokens=9)
+    eager = _run(_npu(tiny_ckpt, mode, False, **SPEC), requests)
+    llm = _npu(tiny_ckpt, mode, True, **SPEC)
+    replayed = _run(llm, requests)
+    _assert_same(eager, replayed)
+    shapes = _shapes(llm)
+    assert any(draft for _, draft, _ in shapes), f"no draft step was captured: {shapes}"
+    assert any(verify for _, _, verify in shapes), f"no verify step was captured: {shapes}"
+    assert llm.engine.graphs.stats["graph_steps"] > 0
+
+
+def test_in_deterministic_mode_speculation_with_graphs_keeps_plain_decodings_bits(tiny_ckpt):
+    requests = _requests(3, max_tokens=9, seed=4)
+    plain = _run(_npu(tiny_ckpt, "deterministic", False), requests)
+    _assert_same(plain, _run(_npu(tiny_ckpt, "deterministic", True, **SPEC), requests))
+
+
+def _greedy_tokens(llm: LLM, prompts, n: int) -> list[tuple[int, ...]]:
+    params = SamplingParams(max_tokens=n, **GREEDY)
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+def test_speculation_in_fast_mode_agrees_with_plain_fast_decoding(tiny_ckpt):
+    """Fast mode keeps no bits (a verify step's GEMMs see k + 1 rows where plain decoding's
+    see one), so the guarantee is measured, not promised: on these prompts every greedy token
+    agrees (docs/benchmarks.md measures it on the trained checkpoint)."""
+    prompts = [prompt_of(6 + 5 * i, seed=30 + i) for i in range(3)]
+    plain = _greedy_tokens(_npu(tiny_ckpt, "fast", True), prompts, 16)
+    spec = _greedy_tokens(_npu(tiny_ckpt, "fast", True, **SPEC), prompts, 16)
+    same = sum(a == b for p, s in zip(plain, spec, strict=True) for a, b in zip(p, s, strict=True))
+    assert same == 16 * len(prompts), (plain, spec)
+
+
+def test_kv_sharing_replayed_from_graphs_is_the_sharing_reference_bit_for_bit(tiny_ckpt):
+    llm = _npu(tiny_ckpt, "hf-exact", True, kv_sharing="last", num_blocks=16)
+    run_sharing_case(llm, tiny_ckpt)
+    assert llm.engine.graphs.stats["graph_steps"] > 0
+
+
+def test_kv_sharing_in_fast_mode_stays_near_the_exact_plan(tiny_ckpt):
+    """The fused loop and its fused KV writes address shared blocks like any other; fast mode
+    is within its tolerance of the exact plan (here: the same greedy tokens)."""
+    exact = _npu(tiny_ckpt, "hf-exact", False, kv_sharing="last", num_blocks=16)
+    fast = _npu(tiny_ckpt, "fast", True, kv_sharing="last", num_blocks=16)
+    assert fast.engine.graphs is not None
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    for prompt in PROMPTS:
+        [want] = exact.generate([prompt], params, return_logits=True)
+        [got] = fast.generate([prompt], params, return_logits=True)
+        assert got.token_ids == want.token_ids
+        assert (got.logits - want.logits).abs().max() <= 0.5
+
+
+@pytest.mark.parametrize("refused", REFUSED, ids=lambda r: f"{r[0]}-{r[2]}")
+def test_each_refused_pair_is_refused_with_its_reason(refused):
+    a, va, b, vb, why = refused
+    values = {a: 1 if va is not True and a == "speculative_loops" else va, b: vb}
+    with pytest.raises(ValueError, match="cannot be combined with") as err:
+        EngineArgs(preset="tiny", **values).check_combinations()
+    assert why in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(speculative_loops=1, step_graphs=True),
+        dict(speculative_loops=1, mode="fast"),
+        dict(kv_sharing="last", mode="fast"),
+        dict(kv_sharing="last", step_graphs=True),
+        dict(adaptive_depth=True, kv_sharing="last"),
+    ],
+)
+def test_the_pairs_that_combine_are_not_refused(options):
+    EngineArgs(preset="tiny", **options).check_combinations()
+
+
+def test_only_the_declared_pairs_are_refused():
+    assert {(a, b) for a, _, b, _, _ in REFUSED} == {
+        ("speculative_loops", "kv_sharing"),
+        ("speculative_loops", "adaptive_depth"),
+        ("step_graphs", "adaptive_depth"),
+    }
