@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
@@ -62,3 +66,51 @@ def test_bad_prompt_ids_are_a_clear_cli_error(tiny_ckpt):
     proc = rlt_hal("generate", "--model", str(tiny_ckpt), "--prompt-ids", "1,x")
     assert proc.returncode == 2
     assert "--prompt-ids must be comma-separated integers" in proc.stderr
+
+
+def test_the_trained_preset_is_announced_as_trained_not_random(tiny_ckpt, monkeypatch, capsys):
+    from runtime_glue.engine.args import EngineArgs
+    from runtime_glue.engine.llm import build_llm
+    from runtime_glue.ouro import toy
+
+    monkeypatch.setattr(toy, "cached_checkpoint", lambda preset: tiny_ckpt)  # no training here
+    build_llm(EngineArgs(preset="trained", block_size=16, num_blocks=4), announce=True)
+    err = capsys.readouterr().err
+    assert "RANDOM" not in err and "trained here on Python's own documentation" in err
+    assert "not Ouro-1.4B" in err
+    build_llm(EngineArgs(preset="small", block_size=16, num_blocks=4), announce=True)
+    assert "RANDOM weights" in capsys.readouterr().err
+    assert EngineArgs(model=str(tiny_ckpt)).banner() is None
+
+
+HEAVY = {"torch", "transformers", "tokenizers", "safetensors", "fastapi", "numpy"}
+# Runs rlt-hal's main, then prints which heavy packages it imported.
+_IMPORTED_BY = f"""
+import sys
+from runtime_glue.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(sorted({{name.split('.')[0] for name in sys.modules}} & {sorted(HEAVY)!r}))
+"""
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["generate", "--help"], ["bench", "latency", "--help"], ["serve", "-h"]]
+)
+def test_help_answers_without_importing_torch(argv):
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_BY, *argv], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: rlt-hal" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "[]"
+
+
+def test_hal_exports_every_name_it_lists():
+    import hal
+
+    assert set(hal.__all__) == set(hal._EXPORTS)
+    for name in hal.__all__:
+        assert getattr(hal, name) is not None

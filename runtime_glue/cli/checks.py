@@ -10,8 +10,7 @@ from pathlib import Path
 import attrs
 
 from runtime_glue.cli.prompts import add_prompt_args, prompt_of_args
-from runtime_glue.engine.args import RANDOM_BANNER, EngineArgs
-from runtime_glue.engine.llm import build_llm
+from runtime_glue.engine.args import EngineArgs
 
 
 def _checked(args: argparse.Namespace) -> EngineArgs:
@@ -20,16 +19,23 @@ def _checked(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs.from_cli_args(args, deterministic=bool(args.deterministic))
 
 
+def _engine(options: EngineArgs):
+    """The engine of ``options`` (imported here: parsing the command line never loads torch)."""
+    from runtime_glue.engine.llm import build_llm
+
+    return build_llm(options)
+
+
 def cmd_parity(args: argparse.Namespace) -> int:
     from runtime_glue.checks.parity import compare
 
-    if args.model is None:
-        print(RANDOM_BANNER, file=sys.stderr)
     options = _checked(args)
+    if options.banner():
+        print(options.banner(), file=sys.stderr)
     # Side A always prefills whole; side B is side A with the --against* changes and the
     # chunk size given.
-    a = build_llm(attrs.evolve(options, prefill_chunk_size=None))
-    b = build_llm(
+    a = _engine(attrs.evolve(options, prefill_chunk_size=None))
+    b = _engine(
         attrs.evolve(
             options,
             device=args.against or options.device,
@@ -87,7 +93,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     options = _checked(args)
 
     def side(device):
-        return build_llm(attrs.evolve(options, device=device))
+        return _engine(attrs.evolve(options, device=device))
 
     a = side(options.device)
     b: LLMSide | ReferenceSide
@@ -116,12 +122,12 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     )
 
     options = _checked(args)
-    llm = build_llm(options)
+    llm = _engine(options)
     with tempfile.TemporaryDirectory(prefix="rlt-hal-init-") as tmp:
         baseline = None
         if args.random_baseline:
             write_initial_checkpoint(llm.model_dir, Path(tmp))
-            baseline = build_llm(attrs.evolve(options, model=tmp))
+            baseline = _engine(attrs.evolve(options, model=tmp))
         report = perplexity(
             llm, args.seq_len, args.perplexity_tokens, args.adaptive_tokens, baseline
         )

@@ -9,13 +9,14 @@ import time
 
 from runtime_glue.cli.prompts import add_prompt_args, prompt_of_args
 from runtime_glue.engine.args import EngineArgs
-from runtime_glue.engine.llm import build_llm
-from runtime_glue.ouro.toy import PRESETS
+from runtime_glue.ouro.presets import PRESETS
 from runtime_glue.server.args import ServerArgs
 
 
 def announced_llm(args: argparse.Namespace, progress: bool = True):
     """The engine of a command's ``EngineArgs`` options, announced on standard error."""
+    from runtime_glue.engine.llm import build_llm
+
     return build_llm(EngineArgs.from_cli_args(args), progress=progress, announce=True)
 
 
@@ -80,7 +81,7 @@ def _trained_checkpoint(args: argparse.Namespace) -> int:
     """The trained preset: trained once into the cache (by its recipe's hash), then copied."""
     import shutil
 
-    from runtime_glue.ouro.toy import cached_checkpoint
+    from runtime_glue.ouro.toy import cached_checkpoint, training_summary
 
     fixed = {
         "--seed": (args.seed, 0),
@@ -95,6 +96,7 @@ def _trained_checkpoint(args: argparse.Namespace) -> int:
     cached = cached_checkpoint("trained")
     shutil.copytree(cached, args.dir, dirs_exist_ok=True)
     print(f"wrote the trained Ouro checkpoint to {args.dir} (trained once, cached at {cached})")
+    print(training_summary(args.dir))
     return 0
 
 

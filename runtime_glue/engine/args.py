@@ -19,10 +19,21 @@ import attrs
 
 DEFAULT_TOY_PRESET = "small"
 
-RANDOM_BANNER = (
-    "NOTE: no --model given; using the embedded toy checkpoint with RANDOM weights. "
-    "Its output is random text. Pass --model /path/to/Ouro-1.4B for a real model."
-)
+
+def toy_banner(preset: str) -> str:
+    """What a run without ``--model`` says about the embedded checkpoint of ``preset``."""
+    if preset == "trained":
+        return (
+            "NOTE: no --model given; using the embedded 'trained' toy checkpoint: a small Ouro "
+            "trained here on Python's own documentation, not Ouro-1.4B. Its text is "
+            "documentation-like, not good prose. Pass --model /path/to/Ouro-1.4B for the real "
+            "model."
+        )
+    return (
+        f"NOTE: no --model given; using the embedded {preset!r} toy checkpoint with RANDOM "
+        "weights. Its output is random text. Pass --model /path/to/Ouro-1.4B for a real model, "
+        "or --preset trained for a small one trained here."
+    )
 
 
 def cli_field(default: Any, help: str, **argparse_options: Any) -> Any:
@@ -31,7 +42,7 @@ def cli_field(default: Any, help: str, **argparse_options: Any) -> Any:
 
 
 def _preset_names() -> list[str]:
-    from runtime_glue.ouro.toy import PRESETS
+    from runtime_glue.ouro.presets import PRESETS
 
     return list(PRESETS)
 
@@ -235,6 +246,10 @@ class EngineArgs:
                 raise ValueError(
                     f"--{a.replace('_', '-')} {va} cannot be combined with {shown}: {why}"
                 )
+
+    def banner(self) -> str | None:
+        """What to tell a user about the weights before loading: None when --model is given."""
+        return None if self.model is not None else toy_banner(self.preset)
 
     def model_dir(self) -> Path:
         """``model``, or the embedded toy checkpoint of ``preset`` (written once, then cached)."""

@@ -13,7 +13,7 @@ import torch
 
 from hal.registry import Registry, default_registry
 from hal.types import KVLayout, check_block_size
-from runtime_glue.engine.args import RANDOM_BANNER, EngineArgs
+from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.sampling import SamplingParams
@@ -337,8 +337,8 @@ def build_llm(
     """The engine ``args`` describe; ``announce`` prints what a user should know on standard
     error: the random-weights banner, the plan and the KV pool. ``options``: as
     ``LLM.from_engine_args`` (a registry, driver options)."""
-    if announce and args.model is None:
-        print(RANDOM_BANNER, file=sys.stderr)
+    if announce and args.banner():
+        print(args.banner(), file=sys.stderr)
     llm = LLM.from_engine_args(args, progress=progress, **options)
     if announce:
         caching = "on" if llm.engine.config.enable_prefix_caching else "off"
