@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+    except (ValueError, RuntimeError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"rlt-hal: error: {exc}", file=sys.stderr)
         return 2
 
