@@ -24,7 +24,7 @@ from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
-from runtime_glue.ouro.resolve import resolve
+from runtime_glue.ouro.resolve import record_note, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -341,20 +341,29 @@ def build_llm(
         print(args.banner(), file=sys.stderr)
     llm = LLM.from_engine_args(args, progress=progress, **options)
     if announce:
-        caching = "on" if llm.engine.config.enable_prefix_caching else "off"
-        spec = llm.speculative
-        spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
-        verdict = llm.engine.graph_admission  # None: graphs not asked for
-        graphs_line = (
-            ""
-            if verdict is None
-            else f"; step graphs {verdict.kernel} "
-            + ("admitted" if verdict.admitted else f"refused ({verdict.why})")
-        )
-        print(
-            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
-            f"{graphs_line}",
-            file=sys.stderr,
-        )
-        print(llm.kv_summary, file=sys.stderr)
+        announce_llm(llm)
     return llm
+
+
+def announce_llm(llm: LLM) -> None:
+    """The start-up lines on standard error: the plan (and where its kernel choice is kept,
+    measured now or reused, so that a changed plan shows), then the KV pool."""
+    caching = "on" if llm.engine.config.enable_prefix_caching else "off"
+    spec = llm.speculative
+    spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
+    verdict = llm.engine.graph_admission  # None: graphs not asked for
+    graphs_line = (
+        ""
+        if verdict is None
+        else f"; step graphs {verdict.kernel} "
+        + ("admitted" if verdict.admitted else f"refused ({verdict.why})")
+    )
+    print(
+        f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
+        f"{graphs_line}",
+        file=sys.stderr,
+    )
+    note = record_note(llm.plan)
+    if note is not None:
+        print(f"  {note}", file=sys.stderr)
+    print(llm.kv_summary, file=sys.stderr)
