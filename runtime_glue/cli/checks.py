@@ -63,9 +63,11 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
     from runtime_glue.checks.acceptance import acceptance, markdown_acceptance
 
     options = EngineArgs.from_cli_args(args)
+    if options.banner():
+        print(options.banner(), file=sys.stderr)
     report = acceptance(
         options.model_dir(),
-        str(options.device),  # required by the parser
+        options.device,  # None: $VLLM_RLT_DEVICE, else auto
         questions_path=args.questions,
         limit=args.limit,
         tolerance=args.tolerance,
@@ -169,7 +171,7 @@ def _add_acceptance(sub) -> None:
         help="is this device correct for Ouro? reference parity, cross-device, chunking, "
         "accuracy, latency (exit 1 when a part fails)",
     )
-    EngineArgs.add_cli_args(p, fields=("model", "device"), required=("model", "device"))
+    EngineArgs.add_cli_args(p, fields=("model", "preset", "device"))
     p.add_argument("--questions", help="JSONL question set (default: the one rlt-hal ships)")
     p.add_argument("--limit", type=int, help="only the first N questions")
     p.add_argument("--tolerance", type=float, default=0.5, help="cross-device |logit| tolerance")

@@ -52,7 +52,6 @@ def add_fields(
     cls: type,
     fields: Iterable[str] | None,
     exclusive: Sequence[tuple[str, str]] = (),
-    required: Iterable[str] = (),
     group_title: str | None = None,
 ) -> None:
     """Register ``cls``'s fields (all, or ``fields``) as ``--flags`` on ``parser``; a pair in
@@ -73,8 +72,6 @@ def add_fields(
             options["choices"] = options["choices"]()
         if options.get("action") not in ("store_true", argparse.BooleanOptionalAction):
             options.setdefault("type", type(f.default) if f.default is not None else str)
-        if f.name in set(required):
-            options["required"] = True
         help = f.metadata["help"]
         if "default" not in help and f.default not in (None, False):
             help += f" (default: {f.default})"
@@ -216,10 +213,9 @@ class EngineArgs:
         cls,
         parser: argparse.ArgumentParser,
         fields: Iterable[str] | None = None,
-        required: Iterable[str] = (),
     ) -> None:
         """Register every engine option (or only ``fields``) on ``parser``."""
-        add_fields(parser, cls, fields, cls.EXCLUSIVE, required)
+        add_fields(parser, cls, fields, cls.EXCLUSIVE)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace | dict, **overrides: Any) -> EngineArgs:
