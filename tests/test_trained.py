@@ -92,7 +92,7 @@ def test_the_runtime_computes_what_the_training_forward_computes(trained):
     mine = train.loop_losses(model, held)["perplexity_per_loop"]
     theirs = fixed_and_gated(Scorer(llm), held, None)["modes"]
     for t in range(4):
-        assert theirs[f"loop {t + 1}"]["perplexity"] == pytest.approx(mine[t], rel=PERPLEXITY_RTOL)
+        assert theirs[f"loop {t}"]["perplexity"] == pytest.approx(mine[t], rel=PERPLEXITY_RTOL)
 
 
 def test_the_cache_is_reused_not_retrained(trained, monkeypatch):
@@ -137,12 +137,12 @@ def test_eval_perplexity_reports_every_loop_and_the_gate(trained, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     modes = report["modes"]
-    assert [f"loop {t}" for t in range(1, 5)] == list(modes)[:4]
-    assert modes["loop 4"]["agreement_with_last_loop"] == 1.0
-    assert 1.0 <= modes["threshold 0.5"]["mean_exit_loop"] <= 4.0
+    assert [f"loop {t}" for t in range(4)] == list(modes)[:4]  # 0-based, as --exit-at-step
+    assert modes["loop 3"]["agreement_with_last_loop"] == 1.0
+    assert 0.0 <= modes["threshold 0.5"]["mean_exit_loop"] <= 3.0
     assert sum(modes["threshold 0.5"]["exit_loop_histogram"]) == pytest.approx(1.0)
     assert report["adaptive"]["tokens"] == 64
-    assert "| loop 1 |" in result.stdout
+    assert "| loop 0 |" in result.stdout and "| loop 4 |" not in result.stdout
 
 
 def test_toy_checkpoint_refuses_random_preset_flags_with_the_trained_preset(tmp_path):

@@ -138,9 +138,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def show_depth(tokenizer, token_ids, exit_steps) -> str:
-    """The text with each token's depth (loops run, 1-based) after it: ``Hello[2] world[4]``."""
+    """The text with, after each token, the loop its logits came from, 0-based as the API's
+    ``exit_steps`` and ``--exit-at-step`` count: ``Hello[1] world[3]``."""
     pieces = [
-        f"{tokenizer.decode([t], skip_special_tokens=True)}[{step + 1}]"
+        f"{tokenizer.decode([t], skip_special_tokens=True)}[{step}]"
         for t, step in zip(token_ids, exit_steps, strict=True)
     ]
     return "".join(pieces)
@@ -217,7 +218,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument(
-        "--show-depth", action="store_true", help="print each token with the loops it ran"
+        "--show-depth",
+        action="store_true",
+        help="print each token followed by [k]: the loop its logits came from (0-based, as "
+        "--exit-at-step and the API's exit_steps count)",
     )
     p.set_defaults(func=cmd_generate)
 
