@@ -17,6 +17,7 @@ def _bench(tmp_path, command: str, *extra: str):
     env = {**os.environ, "RLT_HAL_CACHE": str(tmp_path / "cache")}
     proc = rlt_hal("bench", *args, "--json", str(out), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "USDT" not in proc.stderr  # kineto's profiler_start/stop lines, silenced
     return json.loads(out.read_text()), proc.stdout
 
 
