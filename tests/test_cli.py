@@ -92,7 +92,7 @@ try:
     main(sys.argv[1:])
 except SystemExit:
     pass
-print(sorted({{name.split('.')[0] for name in sys.modules}} & {sorted(HEAVY)!r}))
+print(sorted({{name.split('.')[0] for name in sys.modules}} & set({sorted(HEAVY)!r})))
 """
 
 
@@ -114,3 +114,40 @@ def test_hal_exports_every_name_it_lists():
     assert set(hal.__all__) == set(hal._EXPORTS)
     for name in hal.__all__:
         assert getattr(hal, name) is not None
+
+
+def _every_option():
+    """(command, action) for every option of every command and bench kind."""
+    import argparse
+
+    from runtime_glue.cli.main import build_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, [*path, name])
+            elif action.dest != "help":
+                yield " ".join(path), action
+
+    return list(walk(build_parser(), []))
+
+
+def test_every_option_has_help_and_shows_its_default():
+    from runtime_glue.cli.parser import HelpFormatter
+
+    formatter = HelpFormatter("rlt-hal")
+    missing = [f"{c} {a.option_strings or a.dest}" for c, a in _every_option() if not a.help]
+    assert missing == []
+    for command, action in _every_option():
+        if action.option_strings and action.default not in (None, False):
+            assert "default" in formatter._get_help_string(action), (command, action.dest)
+
+
+def test_a_bad_value_is_a_one_line_error_naming_the_flag():
+    proc = rlt_hal("generate", "--prompt", "hi", "--block-size", "abc")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "rlt-hal generate: error: argument --block-size: invalid int value: 'abc' "
+        "(see rlt-hal generate --help)"
+    ]

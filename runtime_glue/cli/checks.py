@@ -148,6 +148,11 @@ def _write_reports(args: argparse.Namespace, report: dict, table: str) -> None:
             f.write(table + "\n")
 
 
+def _add_report_args(p) -> None:
+    p.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
+    p.add_argument("--markdown", metavar="OUT", help="also write the table to OUT")
+
+
 def _add_parity(sub) -> None:
     p = sub.add_parser(
         "parity",
@@ -160,8 +165,8 @@ def _add_parity(sub) -> None:
     p.add_argument("--against", help="side B's device (default: the same device as A)")
     p.add_argument("--against-backend", help="side B's attention backend")
     add_prompt_args(p, default="The quick brown fox jumps over the lazy dog")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens each side generates")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_parity)
 
 
@@ -175,10 +180,9 @@ def _add_acceptance(sub) -> None:
     p.add_argument("--questions", help="JSONL question set (default: the one rlt-hal ships)")
     p.add_argument("--limit", type=int, help="only the first N questions")
     p.add_argument("--tolerance", type=float, default=0.5, help="cross-device |logit| tolerance")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt")
     p.add_argument("--prompt-len", type=int, default=64, help="the latency part's prompt")
-    p.add_argument("--json", metavar="OUT")
-    p.add_argument("--markdown", metavar="OUT")
+    _add_report_args(p)
     p.set_defaults(func=cmd_acceptance)
 
 
@@ -196,11 +200,12 @@ def _add_eval(sub) -> None:
         help="side B: 'reference' (the HF-module reference on side A's device) or a device",
     )
     p.add_argument("--questions", help="JSONL, one {id, question, answers} a line")
-    p.add_argument("--template", default="Question: {question}\nAnswer:")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--limit", type=int)
-    p.add_argument("--json", metavar="OUT")
-    p.add_argument("--markdown", metavar="OUT")
+    p.add_argument(
+        "--template", default="Question: {question}\nAnswer:", help="the prompt of a question"
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per answer")
+    p.add_argument("--limit", type=int, help="only the first N questions")
+    _add_report_args(p)
     ppl = p.add_argument_group(
         "--perplexity: held-out perplexity and accuracy per exit mode, through the runtime"
     )

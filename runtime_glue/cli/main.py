@@ -7,10 +7,16 @@ import json
 import sys
 import time
 
+from runtime_glue.cli.parser import Parser
 from runtime_glue.cli.prompts import add_prompt_args, prompt_of_args
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.ouro.presets import PRESETS
 from runtime_glue.server.args import ServerArgs
+
+DESCRIPTION = (
+    "Serve and check ByteDance's Ouro looped language models on an Ascend NPU, a CUDA GPU or "
+    "the CPU. Each command's options: rlt-hal COMMAND --help."
+)
 
 
 def announced_llm(args: argparse.Namespace, progress: bool = True):
@@ -176,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_drivers(sub) -> None:
     p = sub.add_parser("drivers", help="list drivers and whether each can run here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=cmd_drivers)
 
 
@@ -185,7 +191,7 @@ def _add_plan(sub) -> None:
         "plan", help="the execution plan (mode, kernel per op) for a model here, and why"
     )
     EngineArgs.add_cli_args(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
 
@@ -194,11 +200,18 @@ def _add_toy_checkpoint(sub) -> None:
         "toy-checkpoint",
         help="write a small Ouro checkpoint: random weights, or --preset trained (trained here)",
     )
-    p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--loops", type=int, default=4, help="total_ut_steps")
-    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("dir", help="the directory to write (created if missing)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=list(PRESETS),
+        help="the model's shape; 'trained' is trained here once (minutes), then copied",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed")
+    p.add_argument("--loops", type=int, default=4, help="loops per token (total_ut_steps)")
+    p.add_argument(
+        "--shards", type=int, default=1, help="safetensors files (more than 1: with an index)"
+    )
     p.add_argument(
         "--gate-bias",
         type=float,
@@ -212,11 +225,13 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate for one prompt")
     EngineArgs.add_cli_args(p)
     add_prompt_args(p, required=True)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, help="the sampling seed (default: unseeded)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument(
+        "--json", action="store_true", help="print the tokens, exit loops, text and timing as JSON"
+    )
     p.add_argument(
         "--show-depth",
         action="store_true",
@@ -236,8 +251,8 @@ def _add_serve(sub) -> None:
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate from the embedded default checkpoint")
     EngineArgs.add_cli_args(p)
-    p.add_argument("--prompt", default="The quick brown fox")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", default="The quick brown fox", help="the prompt's text")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
     p.set_defaults(func=cmd_run)
 
 
@@ -245,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     from runtime_glue.bench import cli as bench_cli
     from runtime_glue.cli import checks as checks_cli
 
-    parser = argparse.ArgumentParser(prog="rlt-hal", description=__doc__)
+    parser = Parser(prog="rlt-hal", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_drivers(sub)
     _add_toy_checkpoint(sub)

@@ -9,8 +9,10 @@ def add_prompt_args(
     parser: argparse.ArgumentParser, required: bool = False, default: str | None = None
 ) -> None:
     src = parser.add_mutually_exclusive_group(required=required)
-    src.add_argument("--prompt", default=default)
-    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    src.add_argument("--prompt", default=default, help="the prompt's text")
+    src.add_argument(
+        "--prompt-ids", help="the prompt as comma-separated token ids, instead of --prompt"
+    )
 
 
 def prompt_of_args(args: argparse.Namespace) -> list[int] | str:

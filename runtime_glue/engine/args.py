@@ -72,11 +72,8 @@ def add_fields(
             options["choices"] = options["choices"]()
         if options.get("action") not in ("store_true", argparse.BooleanOptionalAction):
             options.setdefault("type", type(f.default) if f.default is not None else str)
-        help = f.metadata["help"]
-        if "default" not in help and f.default not in (None, False):
-            help += f" (default: {f.default})"
-        groups.get(f.name, target).add_argument(
-            "--" + f.name.replace("_", "-"), default=f.default, help=help, **options
+        groups.get(f.name, target).add_argument(  # the help's formatter shows the default
+            "--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **options
         )
 
 
@@ -119,7 +116,9 @@ class EngineArgs:
         "(rlt-hal plan shows the choice)",
     )
     block_size: int = cli_field(128, "tokens per KV block (a power of two >= 16)")
-    num_blocks: int | None = cli_field(None, "KV pool size in blocks", type=int)
+    num_blocks: int | None = cli_field(
+        None, "KV pool size in blocks (default: as many as --kv-cache-memory holds)", type=int
+    )
     kv_cache_memory: int | None = cli_field(
         None, "KV pool size in bytes (default 512 MiB)", type=int, metavar="BYTES"
     )
@@ -156,7 +155,10 @@ class EngineArgs:
         type=float,
     )
     exit_at_step: int | None = cli_field(
-        None, "default loop to read logits from (0 .. loops - 1)", type=int
+        None,
+        "default loop to read logits from, for requests that choose none (0 .. loops - 1; "
+        "default: the checkpoint's early_exit_step, else its threshold, else the last loop)",
+        type=int,
     )
     adaptive_depth: bool = cli_field(
         False,
