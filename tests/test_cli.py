@@ -83,6 +83,16 @@ def test_the_trained_preset_is_announced_as_trained_not_random(tiny_ckpt, monkey
     assert EngineArgs(model=str(tiny_ckpt)).banner() is None
 
 
+def test_the_served_name_of_a_toy_checkpoint_says_which_one():
+    from runtime_glue.engine.args import EngineArgs
+    from runtime_glue.server.args import ServerArgs
+
+    assert ServerArgs().model_name(EngineArgs(preset="trained")) == "rlt-hal-toy-trained"
+    assert ServerArgs().model_name(EngineArgs()) == "rlt-hal-toy-random"
+    assert ServerArgs().model_name(EngineArgs(model="/m")) == "/m"
+    assert ServerArgs(served_model_name="x").model_name(EngineArgs(model="/m")) == "x"
+
+
 HEAVY = {"torch", "transformers", "tokenizers", "safetensors", "fastapi", "numpy"}
 # Runs rlt-hal's main, then prints which heavy packages it imported.
 _IMPORTED_BY = f"""
@@ -151,3 +161,37 @@ def test_a_bad_value_is_a_one_line_error_naming_the_flag():
         "rlt-hal generate: error: argument --block-size: invalid int value: 'abc' "
         "(see rlt-hal generate --help)"
     ]
+
+
+LOADED = ("loading weights", "KV pool")  # what a start-up prints once the model has loaded
+
+
+@pytest.mark.parametrize(
+    "prompt, error",
+    [
+        (["--prompt", ""], "--prompt is empty: give some text (or --prompt-ids)"),
+        (["--prompt-ids", ","], "--prompt-ids is empty: give at least one token id"),
+    ],
+    ids=["text", "ids"],
+)
+def test_an_empty_prompt_is_refused_before_the_model_loads(tiny_ckpt, prompt, error):
+    proc = rlt_hal("generate", "--model", str(tiny_ckpt), *prompt)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"rlt-hal: error: {error}"]
+    assert not any(word in proc.stderr for word in LOADED)
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tiny_ckpt):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = rlt_hal("serve", "--model", str(tiny_ckpt), "--port", str(port))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"rlt-hal: error: --port {port}: 127.0.0.1:{port} is already in use (another "
+        "server?); stop it or choose another --port"
+    ]
+    assert not any(word in proc.stderr for word in LOADED)

@@ -30,6 +30,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from runtime_glue.checks.parity import compare
 
     options = _checked(args)
+    prompt = prompt_of_args(args)  # checked before anything loads
     if options.banner():
         print(options.banner(), file=sys.stderr)
     # Side A always prefills whole; side B is side A with the --against* changes and the
@@ -50,7 +51,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     report = compare(
         a,
         b,
-        a.encode(prompt_of_args(args)),
+        a.encode(prompt),
         args.max_tokens,
         label(a, None),
         label(b, args.prefill_chunk_size),

@@ -16,11 +16,18 @@ def add_prompt_args(
 
 
 def prompt_of_args(args: argparse.Namespace) -> list[int] | str:
+    """The prompt the options give, checked before any model loads (an empty one is an error
+    here, in a second, not after loading)."""
     if args.prompt_ids is not None:
         try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise ValueError(
                 f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
             ) from None
+        if not ids:
+            raise ValueError("--prompt-ids is empty: give at least one token id")
+        return ids
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give some text (or --prompt-ids)")
     return args.prompt

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -298,6 +300,7 @@ def run(engine: EngineArgs, options: ServerArgs) -> int:
     import uvicorn
 
     options.check_single()
+    sock = listening_socket(options.host, options.port)  # before minutes of loading
     llm = build_llm(engine, progress=True, announce=True)
     server = Server.from_args(llm, engine, options)
     print(
@@ -325,5 +328,24 @@ def run(engine: EngineArgs, options: ServerArgs) -> int:
                 server.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    Uvicorn(config).run()
+    Uvicorn(config).run(sockets=[sock])
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a port in use is reported at
+    once rather than after the model has loaded; uvicorn listens on it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RuntimeError(
+                f"--port {port}: {host}:{port} is already in use (another server?); stop it or "
+                "choose another --port"
+            ) from None
+        raise RuntimeError(f"--host {host} --port {port}: cannot listen there ({exc})") from None
+    sock.set_inheritable(True)
+    return sock
