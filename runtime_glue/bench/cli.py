@@ -156,13 +156,31 @@ def _llm(args, tokens: int, **overrides):
     return build_llm(options)
 
 
-def _emit(args, report: dict, table: str) -> int:
+def _emit(args, report: dict, table: str, plans: list[str] | None = None) -> int:
+    """The plan lines (default: every plan the report names), then the table; the report to
+    ``--json OUT`` when given."""
     report["command"] = "rlt-hal " + " ".join(sys.argv[1:])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    print(table)
+    print("\n".join([*(plan_lines(report) if plans is None else plans), table]))
     return 0
+
+
+def plan_lines(report: dict) -> list[str]:
+    """``plan: ...`` for every execution plan ``report`` names (a ``"plan"`` string at any
+    depth), labelled with the key it sits under: the table then says what it ran."""
+    lines: list[str] = []
+
+    def visit(value: dict, label: str) -> None:
+        for key, item in value.items():
+            if key == "plan" and isinstance(item, str):
+                lines.append(f"plan{f' ({label})' if label else ''}: {item}")
+            elif isinstance(item, dict):
+                visit(item, label if key == "plan" else key)
+
+    visit(report, "")
+    return lines
 
 
 def _emit_model(args, report: dict, table: str) -> int:
@@ -275,7 +293,7 @@ def cmd_detokenize(args) -> int:
 
     tokenizer = load_tokenizer(EngineArgs.from_cli_args(args).model_dir())
     report = detokenize(tokenizer, args.lengths, args.runs)
-    return _emit(args, report, markdown_detokenize(report))
+    return _emit(args, report, markdown_detokenize(report), ["plan: none (the tokenizer only)"])
 
 
 def cmd_kv_sharing(args) -> int:
@@ -297,4 +315,5 @@ def cmd_serve(args) -> int:
         args.model,
         args.shared_prefix_len,
     )
-    return _emit(args, report, markdown_serve(report))
+    plan = "plan: the server's (its start-up lines name it)"
+    return _emit(args, report, markdown_serve(report), [plan])

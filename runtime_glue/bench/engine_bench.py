@@ -255,6 +255,10 @@ def determinism_cost(
     out: dict[str, Any] = {
         "machine": machine(),
         "device": default.driver.label,
+        "plans": {
+            "mode off": {"plan": default.plan.describe()},
+            "mode on": {"plan": deterministic.plan.describe()},
+        },
         "input_len": input_len,
         "output_len": output_len,
         "runs": runs,
