@@ -44,6 +44,7 @@ def test_generate_json_reports_the_same_tokens_as_the_python_api(tiny_ckpt):
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
+    assert proc.stdout.endswith("}\n")
     want = LLM(tiny_ckpt, block_size=16, num_blocks=4).generate(
         [[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True)
     )[0]

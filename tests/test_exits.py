@@ -227,4 +227,5 @@ def test_generate_shows_each_tokens_exit_loop_as_the_api_numbers_it(tiny_ckpt):
     llm = LLM(tiny_ckpt, block_size=16, num_blocks=4, exit_threshold=0.5)
     [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert depths == list(out.exit_steps)  # 0-based, the loop numbers the API returns
+    assert proc.stdout.endswith("]\n")  # the shell's prompt starts on a line of its own
     assert "exit threshold 0.5 by default" in proc.stderr
