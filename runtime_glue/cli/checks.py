@@ -14,9 +14,13 @@ from runtime_glue.engine.args import EngineArgs
 
 
 def _checked(args: argparse.Namespace) -> EngineArgs:
-    """The engine options of a check. Checks compare HF-exact runs unless ``--deterministic``
-    is given (a device's own default mode would compare two different contracts)."""
-    return EngineArgs.from_cli_args(args, deterministic=bool(args.deterministic))
+    """The engine options of a check, its banner printed if it runs a toy checkpoint. Checks
+    compare HF-exact runs unless ``--deterministic`` is given (a device's own default mode
+    would compare two different contracts)."""
+    options = EngineArgs.from_cli_args(args, deterministic=bool(args.deterministic))
+    if options.banner():
+        print(options.banner(), file=sys.stderr)
+    return options
 
 
 def _engine(options: EngineArgs):
@@ -29,10 +33,8 @@ def _engine(options: EngineArgs):
 def cmd_parity(args: argparse.Namespace) -> int:
     from runtime_glue.checks.parity import compare
 
-    options = _checked(args)
     prompt = prompt_of_args(args)  # checked before anything loads
-    if options.banner():
-        print(options.banner(), file=sys.stderr)
+    options = _checked(args)
     # Side A always prefills whole; side B is side A with the --against* changes and the
     # chunk size given.
     a = _engine(attrs.evolve(options, prefill_chunk_size=None))
