@@ -177,6 +177,7 @@ def _pty_output(columns: int, steps: int) -> str:
     pty = pytest.importorskip("pty")
     import fcntl
     import os
+    import select
     import struct
     import termios
 
@@ -191,10 +192,19 @@ def _pty_output(columns: int, steps: int) -> str:
             progress.step(step, 5.0 - step / 10)
         progress.close()
         stream.flush()
-        os.set_blocking(master, False)
-        out = os.read(master, 1 << 16).decode()
+    out = b""
+    # A pty hands written bytes to its master asynchronously (the kernel's flip-buffer work):
+    # read until nothing more arrives for a while, not once.
+    while select.select([master], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # the slave side is closed and drained
+            break
+        if not chunk:
+            break
+        out += chunk
     os.close(master)
-    return out
+    return out.decode()
 
 
 def test_steps_show_as_plain_lines_on_a_pty_without_a_size_and_as_a_bar_on_a_sized_one():
