@@ -17,9 +17,7 @@ import threading
 import pytest
 import torch
 
-pytest.importorskip("llguidance", reason="the grammar engine: pip install llguidance")
-
-from runtime_glue.engine.structured import (  # noqa: E402
+from runtime_glue.engine.structured import (
     GrammarCompiler,
     Matcher,
     StructuredOutputError,
@@ -249,36 +247,28 @@ def test_model_vocab_larger_than_the_tokenizers_never_allows_the_extra_ids(token
         m.apply(torch.zeros(n))
 
 
-@pytest.mark.parametrize(
-    ("spec", "param", "message"),
-    [
-        ({"json": {"type": "strin"}}, "structured_outputs.json", "invalid json schema: .*strin"),
-        ({"json": "{oops"}, "structured_outputs.json", "is not valid JSON"),
-        ({"json": [1]}, "structured_outputs.json", "must be a JSON schema object"),
-        (
-            {"json": {"type": "integer", "minimum": 5, "maximum": 1}},
-            "structured_outputs.json",
-            "invalid json schema",
-        ),
-        (
-            {"json": {"type": "array", "uniqueItems": True}},
-            "structured_outputs.json",
-            "uniqueItems",
-        ),
-        ({"json": {"$ref": "#/$defs/nope"}}, "structured_outputs.json", "invalid json schema"),
-        ({"regex": "(ab"}, "structured_outputs.regex", "invalid regex"),
-        ({"regex": "a{3,1}"}, "structured_outputs.regex", "invalid regex"),
-        ({"grammar": "root ::= ("}, "structured_outputs.grammar", "invalid grammar"),
-        ({"grammar": "start: x"}, "structured_outputs.grammar", "invalid grammar"),
-        ({"choice": []}, "structured_outputs.choice", "non-empty list of strings"),
-        ({"choice": ["a", 1]}, "structured_outputs.choice", "non-empty list of strings"),
-        ({"regex": ""}, "structured_outputs.regex", "non-empty string"),
-        ({}, "structured_outputs", "exactly one of json, regex, choice, grammar, got none"),
-        ({"json": {}, "regex": "a"}, "structured_outputs", "exactly one of"),
-        ({"structural_tag": "x"}, "structured_outputs", "unknown field"),
-    ],
-    ids=lambda v: v if isinstance(v, str) and "." not in v else None,
-)
+J, R, G = "structured_outputs.json", "structured_outputs.regex", "structured_outputs.grammar"
+INVALID = {  # id: (structured_outputs, the field named, the message)
+    "unknown-type": ({"json": {"type": "strin"}}, J, "invalid json schema: .*strin"),
+    "schema-not-json": ({"json": "{oops"}, J, "is not valid JSON"),
+    "schema-not-object": ({"json": [1]}, J, "must be a JSON schema object"),
+    "empty-range": ({"json": {"type": "integer", "minimum": 5, "maximum": 1}}, J, "minimum"),
+    "unenforceable-keyword": ({"json": {"type": "array", "uniqueItems": True}}, J, "uniqueItems"),
+    "dangling-ref": ({"json": {"$ref": "#/$defs/nope"}}, J, "invalid json schema"),
+    "unclosed-group": ({"regex": "(ab"}, R, "invalid regex"),
+    "bad-repeat": ({"regex": "a{3,1}"}, R, "invalid regex"),
+    "gbnf-syntax": ({"grammar": "root ::= ("}, G, "invalid grammar"),
+    "lark-undefined-rule": ({"grammar": "start: x"}, G, "invalid grammar"),
+    "empty-choice": ({"choice": []}, "structured_outputs.choice", "non-empty list of strings"),
+    "non-string-choice": ({"choice": ["a", 1]}, "structured_outputs.choice", "list of strings"),
+    "empty-regex": ({"regex": ""}, R, "non-empty string"),
+    "no-kind": ({}, "structured_outputs", "exactly one of json, regex, choice, grammar, got none"),
+    "two-kinds": ({"json": {}, "regex": "a"}, "structured_outputs", "exactly one of"),
+    "unknown-field": ({"structural_tag": "x"}, "structured_outputs", "unknown field"),
+}
+
+
+@pytest.mark.parametrize(("spec", "param", "message"), INVALID.values(), ids=INVALID.keys())
 def test_invalid_input_raises_naming_the_field(compiler, spec, param, message):
     with pytest.raises(StructuredOutputError, match=message) as info:
         compiler.compile(parse_structured(spec))

@@ -209,8 +209,10 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 
+                # One EOS is enough: Matcher sets the EOS bits itself (and llguidance < 1.1
+                # takes one id only).
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, eos_token=list(self.eos_token_ids)
+                    self.tokenizer, eos_token=self.eos_token_ids[0]
                 )
             return self._ll_tokenizer
 
