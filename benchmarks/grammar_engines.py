@@ -467,7 +467,55 @@ def bench_case(engines, case, hf, vocab, reps, walks, max_walk) -> list[dict]:
         row["accept_us_median"] = pct(rep["accept_ns"] + walk["accept_ns"], 0.5)
         row["apply_us_median"] = pct(rep["apply_ns"] + walk["apply_ns"], 0.5)
         row["walk_masks_differ"] = differ
+    if "llguidance" in [e.name for e in engines]:
+        rows.append(bench_module(hf, vocab, case, [canonical, *walked]))
     return rows
+
+
+def bench_module(hf, vocab: int, case: str, seqs: list[list[int]]) -> dict:
+    """``runtime_glue.engine.structured`` over the same walks: ``allowed()`` (the engine's
+    bitmask, unpacked to a bool [vocab] mask, EOS set), ``apply()`` on a float32 row (its mask
+    included) and ``accept()``."""
+    import torch
+
+    from runtime_glue.engine.structured import GrammarCompiler, parse_structured
+
+    kind, text, _ = CASES[case]
+    spec = parse_structured({kind: json.loads(text) if kind in ("json", "choice") else text})
+    compiler = GrammarCompiler(hf, vocab, eos_token_ids=EOS_IDS)
+    compiler.compile(spec)  # the tokenizer table, built once per model
+    compiler._cache.clear()
+    t0 = time.perf_counter()
+    compiled = compiler.compile(spec)
+    compile_s = time.perf_counter() - t0
+    allowed_ns, apply_ns, accept_ns = [], [], []
+    out, row = torch.empty(vocab, dtype=torch.bool), torch.empty(vocab)
+    for seq in seqs:
+        m = compiler.matcher(compiled)
+        for token in seq:
+            t0 = time.perf_counter_ns()
+            m.allowed(out)
+            t1 = time.perf_counter_ns()
+            row.normal_()
+            t2 = time.perf_counter_ns()
+            m.apply(row)
+            t3 = time.perf_counter_ns()
+            if not m.accept(token):
+                break
+            t4 = time.perf_counter_ns()
+            allowed_ns.append(t1 - t0)
+            apply_ns.append(t3 - t2)
+            accept_ns.append(t4 - t3)
+    return {
+        "engine": "structured.py",
+        "case": case,
+        "compile_ms": 1e3 * compile_s,
+        "allowed_us_median": pct(allowed_ns, 0.5),
+        "allowed_us_p90": pct(allowed_ns, 0.9),
+        "apply_with_mask_us_median": pct(apply_ns, 0.5),
+        "accept_us_median": pct(accept_ns, 0.5),
+        "tokens": len(allowed_ns),
+    }
 
 
 def coverage(engines, hf) -> list[dict]:
@@ -603,6 +651,8 @@ def table(result: dict) -> str:
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in result["rows"]:
+        if r["engine"] == "structured.py":
+            continue
         lines.append(
             f"| {r['case']} | {r['engine']} | {r['compile_ms']:.1f} | {r['first_mask_ms']:.2f} "
             f"| {r['mask_us_median']:.0f} | {r['mask_us_p90']:.0f} "
@@ -611,6 +661,21 @@ def table(result: dict) -> str:
             f"| {r['canonical_tokens']} + {r['walk_tokens']} "
             f"| {r['refused_canonical'] + r['refused_walk']} | {r['walk_masks_differ']} |"
         )
+    module = [r for r in result["rows"] if r["engine"] == "structured.py"]
+    if module:
+        lines += [
+            "",
+            "| grammar | structured.py on llguidance | compile ms | allowed() µs median / p90 "
+            "| apply() µs (mask included) | accept() µs | tokens |",
+            "|---|---|--:|--:|--:|--:|--:|",
+        ]
+        for r in module:
+            lines.append(
+                f"| {r['case']} | Matcher | {r['compile_ms']:.1f} "
+                f"| {r['allowed_us_median']:.0f} / {r['allowed_us_p90']:.0f} "
+                f"| {r['apply_with_mask_us_median']:.0f} | {r['accept_us_median']:.0f} "
+                f"| {r['tokens']} |"
+            )
     lines += ["", "| apply a bitmask to a float32 [vocab] row | µs median |", "|---|--:|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in result["apply_us"].items()]
     names = [k for k in result["coverage"][0] if k != "feature"]
