@@ -16,11 +16,9 @@ ids are the whole mask). EOS is handled here, not by the engine: it is allowed e
 output so far is complete, and after it only EOS is.
 
 Speculative decoding: the mask at verify position ``i`` is the mask after accepting drafts
-``0..i-1``; ``Matcher.draft_masks`` gives all of them and leaves the matcher as it was. After
-the verify, ``accept`` the tokens kept; a matcher that ran ahead undoes tokens with
-``rollback``.
-
-llguidance is imported on first use, never at module import.
+``0..i-1``; ``Matcher.draft_masks`` gives them all and leaves the matcher as it was; then
+``accept`` the tokens the verify keeps (``rollback`` undoes tokens taken ahead).
+llguidance is imported on first use, never at module import (docs/structured-outputs.md).
 """
 
 from __future__ import annotations
@@ -112,12 +110,8 @@ def parse_structured(spec: Any, param: str = "structured_outputs") -> Structured
     if len(chosen) != 1:
         raise _fail(param, f"must set exactly one of {', '.join(KINDS)}, got {chosen or 'none'}")
     kind, value, where = chosen[0], given[chosen[0]], f"{param}.{chosen[0]}"
-    if kind == "json_object":
-        return StructuredSpec(
-            "json", _ANY_OBJECT, whitespace=_whitespace(given, param), param=where
-        )
-    if kind == "json":
-        text = _schema_text(value, where)
+    if kind in ("json", "json_object"):
+        text = _ANY_OBJECT if kind == "json_object" else _schema_text(value, where)
         return StructuredSpec("json", text, whitespace=_whitespace(given, param), param=where)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
@@ -189,7 +183,7 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """One per model: the tokenizer's token table (built on first use, ~1 s at 49k tokens) and
+    """One per model: the tokenizer's token table (built on first use, 0.3 s at 49k tokens) and
     a bounded LRU of compiled grammars keyed by spec. Thread-safe."""
 
     def __init__(
@@ -209,8 +203,7 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 
-                # One EOS is enough: Matcher sets the EOS bits itself (and llguidance < 1.1
-                # takes one id only).
+                # One EOS id: Matcher sets the EOS bits itself (and llguidance 1.0 takes one)
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self.tokenizer, eos_token=self.eos_token_ids[0]
                 )
