@@ -41,7 +41,7 @@ test: lint
 
 # The lowest versions pyproject.toml allows of the libraries whose APIs the runtime and the
 # HF-module reference depend on, in a venv of their own: the tests that use them must pass.
-FLOORS := "transformers==5.0.0" "tokenizers==0.22.1"
+FLOORS := "transformers==5.0.0" "tokenizers==0.22.1" "llguidance==1.0.0"
 FLOOR_VENV := .venv-floors
 
 test-floors: $(STAMP)
@@ -49,7 +49,8 @@ test-floors: $(STAMP)
 	$(FLOOR_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
 	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test]" $(FLOORS)
 	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_parity.py \
-		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py tests/test_trained.py
+		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py tests/test_trained.py \
+		tests/test_structured.py
 
 # The real torch_npu package beside torch, with no CANN: rlt-hal must still list its drivers,
 # run on cpu, and say what to install or source for npu.
