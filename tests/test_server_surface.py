@@ -359,6 +359,7 @@ def test_version_and_model_retrieval(server, client):
         ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt", ""),
         ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model", "does not exist"),
         ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate", "unknown field"),
+        ("/tokenize", {"messages": []}, "messages", "empty conversation"),
         ("/detokenize", {"tokens": [1, 5000]}, "tokens", "outside the vocabulary"),
         ("/detokenize", {"tokens": ["x"]}, "tokens[0]", "valid integer"),
     ],

@@ -108,7 +108,6 @@ class Server:
         self.loop.check()  # a dead engine answers 503 before a response (or stream) begins
         if self.loop.draining:
             raise ApiError(503, "the server is shutting down", "server_error")
-        self.check_model(body.model)
         try:
             body.check_supported()
             params = body.sampling_params(self.default_max_tokens)
@@ -146,12 +145,12 @@ class Server:
 
     async def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
         """``messages`` through the checkpoint's chat template; a template that fails on
-        them (a role it refuses, say) is the request's fault: 400."""
+        them (a role it refuses, an empty conversation) is the request's fault: 400."""
         size = sum(len(str(m.get("content", ""))) for m in messages)
         kwargs = {"add_generation_prompt": True, **template_kwargs}
         try:
             return await self.tokenizing.run(size, lambda tok: _chat_ids(tok, messages, **kwargs))
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, ValueError) as exc:  # ValueError: transformers' checks
             raise ApiError(
                 400, f"the chat template failed on these messages: {exc}", param="messages"
             ) from None
@@ -324,6 +323,7 @@ def _install_routes(app: FastAPI, server: Server) -> None:
 
     async def handle(body, request: Request, respond, prefix: str):
         server.check_auth(request)
+        server.check_model(body.model)  # before any tokenizing
         choices = server.prepare(body, await server.prompts(body))
         return await respond(server, body, choices, request, f"{prefix}-{uuid.uuid4().hex}")
 
