@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # without CANN by make test-torch-npu).
 TORCH_NPU_PIN ?= torch-npu==2.13.0
 
-.PHONY: setup test test-floors test-torch-npu test-ray lint run serve clean
+.PHONY: setup test test-floors test-torch-npu test-ray test-clients lint run serve clean
 
 $(STAMP): pyproject.toml examples/rlt-hal-acme/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,7 +41,7 @@ test: lint
 
 # The lowest versions pyproject.toml allows of the libraries whose APIs the runtime and the
 # HF-module reference depend on, in a venv of their own: the tests that use them must pass.
-FLOORS := "transformers==5.0.0" "tokenizers==0.22.1"
+FLOORS := "transformers==5.0.0" "tokenizers==0.22.1" "llguidance==1.0.0"
 FLOOR_VENV := .venv-floors
 
 test-floors: $(STAMP)
@@ -49,7 +49,8 @@ test-floors: $(STAMP)
 	$(FLOOR_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
 	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test]" $(FLOORS)
 	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_parity.py \
-		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py tests/test_trained.py
+		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py tests/test_trained.py \
+		tests/test_structured.py
 
 # The real torch_npu package beside torch, with no CANN: rlt-hal must still list its drivers,
 # run on cpu, and say what to install or source for npu.
@@ -73,6 +74,17 @@ test-ray: $(STAMP)
 	RAY_USAGE_STATS_ENABLED=0 $(RAY_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/test_replicas.py
 
+# Real clients of the OpenAI surface (guidellm, lm-evaluation-harness, LangChain) against a live
+# server, in a venv of their own with the clients extra: guidellm's uvloop and httptools would
+# otherwise become what uvicorn runs every server of the main suite on.
+CLIENTS_VENV := .venv-clients
+
+test-clients: $(STAMP)
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(CLIENTS_VENV)/bin/python -m pip install -q -e ".[test,clients]"
+	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_clients.py
+
 # The main job: the OpenAI-compatible server on the embedded default (a small random Ouro
 # checkpoint) at http://127.0.0.1:8000/v1. `make run` generates once without a server.
 serve: $(STAMP)
@@ -82,4 +94,4 @@ run: $(STAMP)
 	$(BIN)/rlt-hal run
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(TORCH_NPU_VENV) $(RAY_VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(TORCH_NPU_VENV) $(RAY_VENV) $(CLIENTS_VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -163,3 +164,43 @@ def test_the_cli_reports_errors_without_a_traceback(ckpt_copy):
     assert proc.returncode == 2
     assert f"rlt-hal: error: {ckpt_copy}: missing tensor(s) {Q0}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+GET_ONE = "huggingface-cli download ByteDance/Ouro-1.4B --local-dir DIR"
+
+
+@pytest.mark.parametrize(
+    "given, says",
+    [
+        ("no-such-dir", "model directory no-such-dir does not exist; rlt-hal never downloads"),
+        ("a-file", "model directory a-file is not a directory; rlt-hal never downloads"),
+        (
+            "ByteDance/Ouro-1.4B",
+            "does not exist ('ByteDance/Ouro-1.4B' looks like a Hugging Face hub id); rlt-hal "
+            "never downloads models",
+        ),
+    ],
+    ids=["missing", "a-file", "hub-id"],
+)
+def test_a_model_that_is_not_a_local_directory_says_so_and_how_to_get_one(
+    tmp_path, monkeypatch, given, says
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a checkpoint")
+    with pytest.raises(OSError, match=re.escape(says)) as raised:
+        LLM(given)
+    assert GET_ONE in str(raised.value)
+
+
+def test_a_directory_without_tokenizer_json_names_the_file(ckpt_copy):
+    (ckpt_copy / "tokenizer.json").unlink()  # tokenizer_config.json stays
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{ckpt_copy / 'tokenizer.json'}: not")):
+        LLM(ckpt_copy)
+
+
+def test_a_hub_id_given_as_the_model_is_a_one_line_cli_error():
+    proc = rlt_hal("generate", "--model", "ByteDance/Ouro-1.4B", "--prompt", "hi")
+    assert proc.returncode == 2
+    [line] = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert line.startswith("rlt-hal: error: model directory ByteDance/Ouro-1.4B does not exist")
+    assert GET_ONE in line

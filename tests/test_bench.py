@@ -17,6 +17,7 @@ def _bench(tmp_path, command: str, *extra: str):
     env = {**os.environ, "RLT_HAL_CACHE": str(tmp_path / "cache")}
     proc = rlt_hal("bench", *args, "--json", str(out), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "USDT" not in proc.stderr  # kineto's profiler_start/stop lines, silenced
     return json.loads(out.read_text()), proc.stdout
 
 
@@ -41,6 +42,7 @@ def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
     # The cpu default plan; the GEMM rate (the prefill floor) uses its prompt rows' kernel.
     assert report["mode"] == "deterministic" and report["plan"].startswith("deterministic mode")
     assert f"gate_up_proj {report['floors']['gemm_kernel']}" in report["plan"]
+    assert table.startswith(f"plan: {report['plan']}\n")  # the table names the plan it ran
     assert [r["input_len"] for r in report["results"]] == [8, 20]
     for r in report["results"]:
         for key in ("ttft_s", "tpot_s", "output_tok_s"):
@@ -86,6 +88,7 @@ def test_bench_serve_drives_a_real_server_with_zero_errors(tmp_path, tiny_ckpt):
             assert _positive(lv[key]["p50"]) and lv[key]["p99"] >= lv[key]["p50"]
         assert _positive(lv["request_throughput_per_s"]) and _positive(lv["output_tok_s"])
     assert "| 4 | 6 | 0 |" in table
+    assert table.startswith("plan: the server's (its start-up lines name it)\n")
 
 
 def test_bench_serve_shared_prefix_runs_unshared_then_shared(tmp_path, tiny_ckpt):
@@ -119,6 +122,7 @@ def test_bench_determinism_reports_the_cost_of_the_mode(tmp_path):
         "determinism --preset tiny --input-len 8 --output-len 3 --runs 1 --concurrency 2 --block-size 16",
     )
     assert set(report["levels"]) == {"c1", "c2"}
+    assert "plan (mode on): deterministic mode" in table and "plan (mode off): " in table
     for name, r in report["levels"].items():
         assert _positive(r["off_tok_s"]) and _positive(r["on_tok_s"])
         assert f"| {name} | {r['off_tok_s']:.2f} | {r['on_tok_s']:.2f} | " in table
@@ -137,6 +141,7 @@ def test_bench_plans_compares_the_default_with_every_single_kernel_plan(tmp_path
         for key in ("ttft_over_best", "tpot_over_best", "c2_best_over_this"):
             assert r[key] >= 1.0, (name, key)
         assert f"| {name} | {r['mode']} | {r['ttft_s']:.3f} |" in table
+        assert f"plan ({name}): {r['plan']}\n" in table
     for key in ("ttft_over_best", "tpot_over_best", "c2_best_over_this"):
         assert min(r[key] for r in plans.values()) == 1.0  # one plan is the best at each
 

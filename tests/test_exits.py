@@ -204,7 +204,7 @@ def test_adaptive_depth_returns_every_page_only_after_its_fence(tiny_ckpt):
     assert llm.engine.num_free_blocks == 8
 
 
-def test_generate_shows_each_tokens_depth(tiny_ckpt):
+def test_generate_shows_each_tokens_exit_loop_as_the_api_numbers_it(tiny_ckpt):
     from tests.helpers import rlt_hal
 
     proc = rlt_hal(
@@ -224,5 +224,8 @@ def test_generate_shows_each_tokens_depth(tiny_ckpt):
     )
     assert proc.returncode == 0, proc.stderr
     depths = [int(x) for x in __import__("re").findall(r"\[(\d)\]", proc.stdout)]
-    assert len(depths) == 4 and all(1 <= d <= 4 for d in depths)
+    llm = LLM(tiny_ckpt, block_size=16, num_blocks=4, exit_threshold=0.5)
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert depths == list(out.exit_steps)  # 0-based, the loop numbers the API returns
+    assert proc.stdout.endswith("]\n")  # the shell's prompt starts on a line of its own
     assert "exit threshold 0.5 by default" in proc.stderr

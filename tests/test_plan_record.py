@@ -139,6 +139,25 @@ def test_a_recorded_choice_that_fails_the_start_up_check_is_measured_again_and_s
     )
 
 
+def test_the_start_up_lines_say_where_the_choice_is_kept_and_whether_it_was_measured_now(
+    tiny_ckpt, monkeypatch, tmp_path, capsys
+):
+    from runtime_glue.engine.args import EngineArgs
+    from runtime_glue.engine.llm import build_llm
+
+    kw = _two_kernel_engine_kw(monkeypatch, tmp_path, {"swift": 0.0})
+    registry = kw.pop("registry")
+    args = EngineArgs(model=str(tiny_ckpt), **kw)
+    build_llm(args, announce=True, registry=registry)
+    plan_line, note, *_ = capsys.readouterr().err.splitlines()
+    assert plan_line.startswith("two: deterministic mode")
+    assert note.startswith("  kernels measured now (none recorded; ")
+    assert f"recorded in {tmp_path / 'plans'}" in note
+    build_llm(args, announce=True, registry=registry)
+    _, note, *_ = capsys.readouterr().err.splitlines()
+    assert note.startswith(f"  kernels as recorded in {tmp_path / 'plans'}")
+
+
 _BURN = "import time\nend = time.time() + 120\nwhile time.time() < end: pass\n"
 
 

@@ -142,7 +142,7 @@ GOOD = {"model": "toy", "prompt": "hello", "max_tokens": 2}
         ({**GOOD, "frobnicate": 1}, None, 400, "frobnicate", "unknown field 'frobnicate'"),
         ({**GOOD, "model": "gpt-4"}, None, 404, "model", "'gpt-4' does not exist"),
         ({**GOOD, "max_tokens": 5000}, None, 400, "max_tokens", "holds 1024 tokens"),
-        ({**GOOD, "n": 2}, None, 400, "n", "n=2 is not supported"),
+        ({**GOOD, "n": 0}, None, 400, "n", "greater than or equal to 1"),
         ({**GOOD, "echo": True}, None, 400, "echo", "echo=true is not supported"),
         ({**GOOD, "logprobs": 3}, None, 400, "logprobs", "not supported"),
         ({**GOOD, "prompt": [99999]}, None, 400, "prompt", "must be in [0, 1024)"),

@@ -27,6 +27,8 @@ def schemas(server):
     return {
         "/v1/completions": comps["CompletionRequest"],
         "/v1/chat/completions": comps["ChatCompletionRequest"],
+        "/tokenize": comps["TokenizeRequest"],
+        "/detokenize": comps["DetokenizeRequest"],
     }
 
 
@@ -37,6 +39,8 @@ VALID = {
         "max_tokens": 2,
         "messages": [{"role": "user", "content": "fuzz"}],
     },
+    "/tokenize": {"model": "toy", "messages": [{"role": "user", "content": "fuzz"}]},
+    "/detokenize": {"model": "toy", "tokens": [5, 6]},
 }
 
 

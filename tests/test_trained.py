@@ -7,6 +7,8 @@ and tokenizer, the runtime computes what the training forward computes, the cach
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import zlib
 
@@ -21,7 +23,8 @@ from runtime_glue.ouro import corpus, train
 from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode
-from runtime_glue.ouro.toy import TRAINING_FILE, cached_checkpoint, preset_config
+from runtime_glue.ouro.progress import TrainingProgress
+from runtime_glue.ouro.toy import TRAINING_FILE, cached_checkpoint, preset_config, training_summary
 from tests.helpers import rlt_hal
 
 TINY_CFG = preset_config("tiny", vocab_size=512, early_exit_threshold=0.5)
@@ -37,11 +40,13 @@ PERPLEXITY_RTOL = 0.005
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """(cache, checkpoint, what the training printed on standard error)."""
     cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
+    log = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(log):
         mp.setenv("RLT_HAL_CACHE", str(cache))
         path = cached_checkpoint("trained", recipe=TINY_RECIPE, trained_cfg=TINY_CFG)
-    return cache, path
+    return cache, path, log.getvalue()
 
 
 def test_a_few_steps_of_the_recipe_lower_the_stage_one_loss(trained):
@@ -87,11 +92,11 @@ def test_the_runtime_computes_what_the_training_forward_computes(trained):
     mine = train.loop_losses(model, held)["perplexity_per_loop"]
     theirs = fixed_and_gated(Scorer(llm), held, None)["modes"]
     for t in range(4):
-        assert theirs[f"loop {t + 1}"]["perplexity"] == pytest.approx(mine[t], rel=PERPLEXITY_RTOL)
+        assert theirs[f"loop {t}"]["perplexity"] == pytest.approx(mine[t], rel=PERPLEXITY_RTOL)
 
 
 def test_the_cache_is_reused_not_retrained(trained, monkeypatch):
-    cache, path = trained
+    cache, path, _ = trained
     monkeypatch.setenv("RLT_HAL_CACHE", str(cache))
 
     def no_training(*_args, **_kwargs):
@@ -108,8 +113,8 @@ def test_training_is_seeded_and_deterministic():
     cfg = preset_config("tiny", vocab_size=64)
     ids = torch.randint(3, 64, (2000,), generator=torch.Generator().manual_seed(1)).tolist()
     recipe = train.Recipe(steps=3, batch=2, seq_len=32, warmup=1)
-    a, _ = train.train(cfg, recipe, ids, progress=False)
-    b, _ = train.train(cfg, recipe, ids, progress=False)
+    a, _ = train.train(cfg, recipe, ids)
+    b, _ = train.train(cfg, recipe, ids)
     for name, w in a.state_dict().items():
         assert torch.equal(w, b.state_dict()[name]), name
 
@@ -132,12 +137,12 @@ def test_eval_perplexity_reports_every_loop_and_the_gate(trained, tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     modes = report["modes"]
-    assert [f"loop {t}" for t in range(1, 5)] == list(modes)[:4]
-    assert modes["loop 4"]["agreement_with_last_loop"] == 1.0
-    assert 1.0 <= modes["threshold 0.5"]["mean_exit_loop"] <= 4.0
+    assert [f"loop {t}" for t in range(4)] == list(modes)[:4]  # 0-based, as --exit-at-step
+    assert modes["loop 3"]["agreement_with_last_loop"] == 1.0
+    assert 0.0 <= modes["threshold 0.5"]["mean_exit_loop"] <= 3.0
     assert sum(modes["threshold 0.5"]["exit_loop_histogram"]) == pytest.approx(1.0)
     assert report["adaptive"]["tokens"] == 64
-    assert "| loop 1 |" in result.stdout
+    assert "| loop 0 |" in result.stdout and "| loop 4 |" not in result.stdout
 
 
 def test_toy_checkpoint_refuses_random_preset_flags_with_the_trained_preset(tmp_path):
@@ -147,3 +152,81 @@ def test_toy_checkpoint_refuses_random_preset_flags_with_the_trained_preset(tmp_
     assert result.returncode == 2
     assert "--gate-bias does not apply to --preset trained" in result.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_training_shows_its_phases_its_steps_and_a_summary_naming_training_json(trained):
+    _, path, log = trained
+    lines = log.splitlines()
+    assert lines[0].startswith(f"training the 'trained' checkpoint into {path}")
+    phases = [line.split(":")[0] for line in lines if line.startswith("[")]
+    assert phases == ["[1/4] corpus", "[2/4] tokenizer", "[3/4] training", "[4/4] evaluation"]
+    # Not a terminal (as in CI, a pipe or a pty without a size): plain lines, the last step's
+    # among them.
+    steps = [line for line in lines if line.startswith("  step ")]
+    assert steps[0].startswith("  step 1/25, loss ") and steps[-1].startswith("  step 25/25, ")
+    assert all("elapsed, ETA " in line for line in steps)
+    record = json.loads((path / TRAINING_FILE).read_text())
+    assert lines[-1] == training_summary(path)
+    assert f"final loss {record['final_loss']:.3f}" in lines[-1]
+    ppl = record["held_out"]["trained"]["perplexity_per_loop"][-1]
+    assert f"held-out perplexity {ppl:.2f}" in lines[-1] and str(path / TRAINING_FILE) in lines[-1]
+
+
+def _pty_output(columns: int, steps: int) -> str:
+    """What ``TrainingProgress`` writes to a pty that reports ``columns`` (0: no size)."""
+    pty = pytest.importorskip("pty")
+    import fcntl
+    import os
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    now = [0.0]
+    with os.fdopen(slave, "w") as stream:
+        progress = TrainingProgress(stream=stream, clock=lambda: now[0], every_s=10)
+        progress.start(steps)
+        for step in range(steps):
+            now[0] += 3.0  # three seconds a step: a plain line every fourth step
+            progress.step(step, 5.0 - step / 10)
+        progress.close()
+        stream.flush()
+    out = b""
+    # A pty hands written bytes to its master asynchronously (the kernel's flip-buffer work):
+    # read until nothing more arrives for a while, not once.
+    while select.select([master], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # the slave side is closed and drained
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    return out.decode()
+
+
+def test_steps_show_as_plain_lines_on_a_pty_without_a_size_and_as_a_bar_on_a_sized_one():
+    plain = _pty_output(columns=0, steps=8).replace("\r\n", "\n")
+    assert plain.splitlines() == [
+        "  step 1/8, loss 5.000, 3.0s elapsed, ETA 21s",
+        "  step 5/8, loss 4.600, 15s elapsed, ETA 9.0s",
+        "  step 8/8, loss 4.300, 24s elapsed, ETA 0.0s",
+    ]
+    bar = _pty_output(columns=100, steps=8)
+    assert "training: 100%" in bar and "8/8" in bar and "loss=4.300" in bar
+    assert "  step " not in bar
+
+
+def test_toy_checkpoint_trained_ends_with_the_training_summary(trained, tmp_path, monkeypatch):
+    from runtime_glue.cli.main import main
+    from runtime_glue.ouro import toy
+
+    monkeypatch.setattr(toy, "cached_checkpoint", lambda preset: trained[1])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["toy-checkpoint", str(tmp_path / "copy"), "--preset", "trained"]) == 0
+    last = out.getvalue().splitlines()[-1]
+    assert last == training_summary(tmp_path / "copy")
+    assert str(tmp_path / "copy" / TRAINING_FILE) in last

@@ -1,4 +1,5 @@
-"""``rlt-hal bench latency | baseline | serve``: JSON plus a markdown table."""
+"""``rlt-hal bench KIND``: each benchmark prints the plan it ran and a markdown table, and with
+``--json OUT`` writes its report."""
 
 from __future__ import annotations
 
@@ -29,21 +30,37 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _load_args(p: argparse.ArgumentParser, output_len: int = 16) -> None:
     """A batch of prompts run several times, with c=1 and c=N levels."""
     _model_args(p)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=output_len)
-    p.add_argument("--runs", type=int, default=3)
+    _length_args(p, 64, output_len)
     p.add_argument("--concurrency", type=int, default=8, help="prompts at once (besides c=1)")
 
 
+def _length_args(p: argparse.ArgumentParser, input_len: int, output_len: int, runs: int = 3):
+    p.add_argument("--input-len", type=int, default=input_len, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=output_len, help="tokens generated")
+    p.add_argument("--runs", type=int, default=runs, help="timed runs (the median is reported)")
+
+
 def add_parsers(sub) -> None:
-    p = sub.add_parser("bench", help="latency, baseline and HTTP benchmarks")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks of an engine here (latency, baseline, determinism, plans, adaptive, "
+        "graphs, speculative, detokenize, ops, kv-sharing) or of a running server (serve)",
+    )
     kinds = p.add_subparsers(dest="bench", required=True)
+    _add_engine_benches(kinds)
+    _add_step_benches(kinds)
+    _add_serve_bench(kinds)
+
+
+def _add_engine_benches(kinds) -> None:
     lat = kinds.add_parser("latency", help="single-request figures against their floors")
     _model_args(lat)
-    lat.add_argument("--input-lens", type=_ints, default=[64, 512, 2048])
-    lat.add_argument("--output-len", type=int, default=64)
-    lat.add_argument("--runs", type=int, default=3)
-    lat.add_argument("--warmup", type=int, default=1)
+    lat.add_argument(
+        "--input-lens", type=_ints, default=[64, 512, 2048], help="prompt lengths, comma-separated"
+    )
+    lat.add_argument("--output-len", type=int, default=64, help="tokens generated")
+    lat.add_argument("--runs", type=int, default=3, help="timed runs (the median is reported)")
+    lat.add_argument("--warmup", type=int, default=1, help="untimed runs first")
     lat.set_defaults(func=cmd_latency)
     base = kinds.add_parser("baseline", help="rlt-hal vs the HF-module reference")
     _load_args(base)
@@ -61,12 +78,15 @@ def add_parsers(sub) -> None:
     )
     _load_args(ad, output_len=32)
     ad.set_defaults(func=cmd_adaptive)
+
+
+def _add_step_benches(kinds) -> None:
     gr = kinds.add_parser("graphs", help="decode steps eager vs step graphs: host calls, TPOT")
     _model_args(gr)
-    gr.add_argument("--batches", type=_ints, default=[1, 4])
-    gr.add_argument("--input-len", type=int, default=32)
-    gr.add_argument("--output-len", type=int, default=16)
-    gr.add_argument("--runs", type=int, default=3)
+    gr.add_argument(
+        "--batches", type=_ints, default=[1, 4], help="requests decoding at once, comma-separated"
+    )
+    _length_args(gr, 32, 16)
     gr.set_defaults(func=cmd_graphs)
     sp = kinds.add_parser(
         "speculative", help="self-speculative decoding (drafts from early loops) vs plain"
@@ -77,9 +97,14 @@ def add_parsers(sub) -> None:
     sp.set_defaults(func=cmd_speculative)
     dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
     EngineArgs.add_cli_args(dt, fields=("model", "preset"))
-    dt.add_argument("--lengths", type=_ints, default=[100, 500, 1000, 2000])
-    dt.add_argument("--runs", type=int, default=5)
-    dt.add_argument("--json", metavar="OUT")
+    dt.add_argument(
+        "--lengths",
+        type=_ints,
+        default=[100, 500, 1000, 2000],
+        help="output lengths in tokens, comma-separated",
+    )
+    dt.add_argument("--runs", type=int, default=5, help="timed runs (the median is reported)")
+    dt.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
     dt.set_defaults(func=cmd_detokenize)
     ops = kinds.add_parser("ops", help="device ops per decode token and per layer pass (counted)")
     _model_args(ops)
@@ -89,13 +114,23 @@ def add_parsers(sub) -> None:
     _load_args(kvs, output_len=2048)
     EngineArgs.add_cli_args(kvs, fields=("kv_cache_memory",))  # the pool both modes share
     kvs.set_defaults(func=cmd_kv_sharing, input_len=256, runs=1)
+
+
+def _add_serve_bench(kinds) -> None:
     srv = kinds.add_parser("serve", help="streaming HTTP load through the OpenAI API")
-    srv.add_argument("--url", required=True)
+    srv.add_argument(
+        "--url", required=True, help="the server, e.g. http://127.0.0.1:8000/v1 (required)"
+    )
     srv.add_argument("--model", help="served model name (default: the server's first)")
-    srv.add_argument("--concurrency", type=_ints, default=[1, 8])
-    srv.add_argument("--num-requests", type=int, default=16)
-    srv.add_argument("--input-len", type=int, default=64)
-    srv.add_argument("--output-len", type=int, default=32)
+    srv.add_argument(
+        "--concurrency",
+        type=_ints,
+        default=[1, 8],
+        help="requests in flight, one level each, comma-separated",
+    )
+    srv.add_argument("--num-requests", type=int, default=16, help="requests per level")
+    srv.add_argument("--input-len", type=int, default=64, help="prompt tokens")
+    srv.add_argument("--output-len", type=int, default=32, help="tokens generated")
     srv.add_argument(
         "--shared-prefix-len",
         type=int,
@@ -103,7 +138,7 @@ def add_parsers(sub) -> None:
         help="every prompt is one prefix of this many tokens, then --input-len of its own; "
         "each level runs with no sharing (a cache salt per request: the baseline), then shared",
     )
-    srv.add_argument("--json", metavar="OUT")
+    srv.add_argument("--json", metavar="OUT", help="also write the JSON report to OUT")
     srv.set_defaults(func=cmd_serve)
 
 
@@ -121,13 +156,31 @@ def _llm(args, tokens: int, **overrides):
     return build_llm(options)
 
 
-def _emit(args, report: dict, table: str) -> int:
+def _emit(args, report: dict, table: str, plans: list[str] | None = None) -> int:
+    """The plan lines (default: every plan the report names), then the table; the report to
+    ``--json OUT`` when given."""
     report["command"] = "rlt-hal " + " ".join(sys.argv[1:])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    print(table)
+    print("\n".join([*(plan_lines(report) if plans is None else plans), table]))
     return 0
+
+
+def plan_lines(report: dict) -> list[str]:
+    """``plan: ...`` for every execution plan ``report`` names (a ``"plan"`` string at any
+    depth), labelled with the key it sits under: the table then says what it ran."""
+    lines: list[str] = []
+
+    def visit(value: dict, label: str) -> None:
+        for key, item in value.items():
+            if key == "plan" and isinstance(item, str):
+                lines.append(f"plan{f' ({label})' if label else ''}: {item}")
+            elif isinstance(item, dict):
+                visit(item, label if key == "plan" else key)
+
+    visit(report, "")
+    return lines
 
 
 def _emit_model(args, report: dict, table: str) -> int:
@@ -240,7 +293,7 @@ def cmd_detokenize(args) -> int:
 
     tokenizer = load_tokenizer(EngineArgs.from_cli_args(args).model_dir())
     report = detokenize(tokenizer, args.lengths, args.runs)
-    return _emit(args, report, markdown_detokenize(report))
+    return _emit(args, report, markdown_detokenize(report), ["plan: none (the tokenizer only)"])
 
 
 def cmd_kv_sharing(args) -> int:
@@ -262,4 +315,5 @@ def cmd_serve(args) -> int:
         args.model,
         args.shared_prefix_len,
     )
-    return _emit(args, report, markdown_serve(report))
+    plan = "plan: the server's (its start-up lines name it)"
+    return _emit(args, report, markdown_serve(report), [plan])

@@ -63,13 +63,26 @@ def _one_run(llm: LLM, prompt: list[int], output_len: int) -> dict:
     }
 
 
+# kineto (torch.profiler's tracer) logs "USDT: ... profiler_start" and "profiler_stop" on
+# standard error at a level above ERROR (5), so its default threshold never hides them: only a
+# threshold past it does. It reads KINETO_LOG_LEVEL when the first profile starts.
+KINETO_QUIET = "6"
+
+
+def quiet_profile() -> torch.profiler.profile:
+    """``torch.profiler.profile()`` without kineto's lines on standard error (a
+    ``KINETO_LOG_LEVEL`` the user set is kept)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+    return torch.profiler.profile()
+
+
 def python_overhead(llm: LLM, prompt: list[int]) -> dict:
     """Wall time of one decode step against the time its kernels ran (torch.profiler): every
     dispatcher op, aten's and the drivers' custom ops alike (``namespace::name``)."""
     eng = llm.engine
     eng.add_request("overhead", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     eng.step()  # prefill
-    with torch.profiler.profile() as prof:
+    with quiet_profile() as prof:
         start = time.perf_counter()
         eng.step()  # one decode step
         wall = time.perf_counter() - start
@@ -242,6 +255,10 @@ def determinism_cost(
     out: dict[str, Any] = {
         "machine": machine(),
         "device": default.driver.label,
+        "plans": {
+            "mode off": {"plan": default.plan.describe()},
+            "mode on": {"plan": deterministic.plan.describe()},
+        },
         "input_len": input_len,
         "output_len": output_len,
         "runs": runs,

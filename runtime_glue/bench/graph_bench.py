@@ -164,6 +164,7 @@ def compare(
         "device": eager.driver.label,
         "emulated": emulated,
         "mode": eager.mode,
+        "plan": eager.plan.describe(),
         "step_graphs": graphs.engine.graphs.label if graphs.engine.graphs else None,
         "input_len": input_len,
         "output_len": output_len,

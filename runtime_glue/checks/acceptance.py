@@ -144,6 +144,19 @@ def _tpot(llm: LLM, prompt_len: int, output_len: int) -> dict:
     return {"tpot_s": row["tpot_s"]["p50"], "tpot_over_floor": row["tpot_over_decode_floor"]}
 
 
+def closeness(worst: float, tolerance: float) -> str:
+    """The fast plan's largest logit difference from the exact plan's, against ``tolerance``.
+    Outside it the part still passes (a fast plan keeps no bits, and on a random toy even
+    deterministic mode moves logits about as far), so the summary says that it is not held to
+    it, next to the figure."""
+    if worst <= tolerance:
+        return f"logits within {worst:.4g} of the exact plan's (inside the tolerance {tolerance})"
+    return (
+        f"logits within {worst:.4g} of the exact plan's: outside the tolerance {tolerance}, "
+        "reported only (a fast plan keeps no bits and is not held to it; docs/ascend.md)"
+    )
+
+
 def fast_plan_part(llm: LLM, questions, max_tokens: int, prompt_len: int, tolerance: float) -> Part:
     from runtime_glue.checks.evaluation import DEFAULT_TEMPLATE
 
@@ -170,9 +183,8 @@ def fast_plan_part(llm: LLM, questions, max_tokens: int, prompt_len: int, tolera
         f"{len(admitted)} fused kernels admitted; step graphs {graphs_verdict.split(':')[0]}; "
         f"TPOT {exact_t['tpot_s'] * 1e3:.1f} ms "
         f"({exact_t['tpot_over_floor']:.1f}x floor) exact, {fast_t['tpot_s'] * 1e3:.1f} ms "
-        f"({fast_t['tpot_over_floor']:.1f}x floor) fast; logits within {worst:.4g} of the "
-        f"exact plan's ({'within' if worst <= tolerance else 'outside'} the tolerance "
-        f"{tolerance}); greedy tokens agree {agree}/{total}"
+        f"({fast_t['tpot_over_floor']:.1f}x floor) fast; {closeness(worst, tolerance)}; "
+        f"greedy tokens agree {agree}/{total}"
     )
     details = {
         "plan": fast.plan.describe(),
@@ -202,7 +214,7 @@ def _guarded(name: str, run: Callable[[], Part]) -> Part:
 
 def acceptance(
     model,
-    device: str,
+    device: str | None,
     *,
     registry=None,
     questions_path=None,
@@ -212,7 +224,8 @@ def acceptance(
     prompt_len: int = 64,
     chunk: int = 16,
 ) -> dict:
-    """Every part on ``device``; ``registry`` selects drivers (tests pass test doubles)."""
+    """Every part on ``device`` (None: ``$VLLM_RLT_DEVICE``, else auto); ``registry`` selects
+    drivers (tests pass test doubles)."""
     from runtime_glue.bench.engine_bench import machine
     from runtime_glue.checks.evaluation import sample_questions
     from runtime_glue.checks.reference import OuroReference

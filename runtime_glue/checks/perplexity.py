@@ -134,7 +134,7 @@ def _figures(nll: float, correct: int, tokens: int) -> dict:
 def fixed_and_gated(scorer: Scorer, held: torch.Tensor, threshold: float | None) -> dict:
     """Every fixed loop, the threshold and weighted exits, over ``windows``, one prefill each."""
     T = scorer.llm.config.total_ut_steps
-    modes = {f"loop {t + 1}": ExitMode(step=t) for t in range(T)}
+    modes = {f"loop {t}": ExitMode(step=t) for t in range(T)}  # 0-based, as exit_at_step
     if threshold is not None:
         modes[f"threshold {threshold}"] = ExitMode(threshold=threshold)
     modes["weighted"] = ExitMode(weighted=True)
@@ -152,7 +152,7 @@ def fixed_and_gated(scorer: Scorer, held: torch.Tensor, threshold: float | None)
             argmax[name] = logits.argmax(-1)
             if mode.kind == "threshold":
                 exits += torch.bincount(chosen, minlength=T)
-        last = argmax[f"loop {T}"]
+        last = argmax[f"loop {T - 1}"]
         for name in modes:
             sums[name][2] += int((argmax[name] == last).sum())
         tokens += len(ids)
@@ -162,10 +162,8 @@ def fixed_and_gated(scorer: Scorer, held: torch.Tensor, threshold: float | None)
     }
     if threshold is not None:
         hist = (exits.double() / tokens).tolist()
-        report[f"threshold {threshold}"]["exit_loop_histogram"] = hist  # loop t+1 at index t
-        report[f"threshold {threshold}"]["mean_exit_loop"] = sum(
-            (t + 1) * f for t, f in enumerate(hist)
-        )
+        report[f"threshold {threshold}"]["exit_loop_histogram"] = hist  # loop t at index t
+        report[f"threshold {threshold}"]["mean_exit_loop"] = sum(t * f for t, f in enumerate(hist))
     return {"tokens": tokens, "modes": report}
 
 
@@ -262,7 +260,7 @@ def markdown_perplexity(report: dict) -> str:
     for name, r in report["modes"].items():
         if "mean_exit_loop" in r:
             hist = ", ".join(f"{f:.1%}" for f in r["exit_loop_histogram"])
-            lines.append(f"\n{name}: mean exit loop {r['mean_exit_loop']:.2f} (loops 1..: {hist})")
+            lines.append(f"\n{name}: mean exit loop {r['mean_exit_loop']:.2f} (loops 0..: {hist})")
     if "adaptive" in report:
         a = report["adaptive"]
         lines.append(

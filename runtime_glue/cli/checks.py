@@ -10,26 +10,35 @@ from pathlib import Path
 import attrs
 
 from runtime_glue.cli.prompts import add_prompt_args, prompt_of_args
-from runtime_glue.engine.args import RANDOM_BANNER, EngineArgs
-from runtime_glue.engine.llm import build_llm
+from runtime_glue.engine.args import EngineArgs
 
 
 def _checked(args: argparse.Namespace) -> EngineArgs:
-    """The engine options of a check. Checks compare HF-exact runs unless ``--deterministic``
-    is given (a device's own default mode would compare two different contracts)."""
-    return EngineArgs.from_cli_args(args, deterministic=bool(args.deterministic))
+    """The engine options of a check, its banner printed if it runs a toy checkpoint. Checks
+    compare HF-exact runs unless ``--deterministic`` is given (a device's own default mode
+    would compare two different contracts)."""
+    options = EngineArgs.from_cli_args(args, deterministic=bool(args.deterministic))
+    if options.banner():
+        print(options.banner(), file=sys.stderr)
+    return options
+
+
+def _engine(options: EngineArgs):
+    """The engine of ``options`` (imported here: parsing the command line never loads torch)."""
+    from runtime_glue.engine.llm import build_llm
+
+    return build_llm(options)
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
     from runtime_glue.checks.parity import compare
 
-    if args.model is None:
-        print(RANDOM_BANNER, file=sys.stderr)
+    prompt = prompt_of_args(args)  # checked before anything loads
     options = _checked(args)
     # Side A always prefills whole; side B is side A with the --against* changes and the
     # chunk size given.
-    a = build_llm(attrs.evolve(options, prefill_chunk_size=None))
-    b = build_llm(
+    a = _engine(attrs.evolve(options, prefill_chunk_size=None))
+    b = _engine(
         attrs.evolve(
             options,
             device=args.against or options.device,
@@ -44,7 +53,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
     report = compare(
         a,
         b,
-        a.encode(prompt_of_args(args)),
+        a.encode(prompt),
         args.max_tokens,
         label(a, None),
         label(b, args.prefill_chunk_size),
@@ -57,9 +66,11 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
     from runtime_glue.checks.acceptance import acceptance, markdown_acceptance
 
     options = EngineArgs.from_cli_args(args)
+    if options.banner():
+        print(options.banner(), file=sys.stderr)
     report = acceptance(
         options.model_dir(),
-        str(options.device),  # required by the parser
+        options.device,  # None: $VLLM_RLT_DEVICE, else auto
         questions_path=args.questions,
         limit=args.limit,
         tolerance=args.tolerance,
@@ -87,7 +98,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     options = _checked(args)
 
     def side(device):
-        return build_llm(attrs.evolve(options, device=device))
+        return _engine(attrs.evolve(options, device=device))
 
     a = side(options.device)
     b: LLMSide | ReferenceSide
@@ -116,12 +127,12 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     )
 
     options = _checked(args)
-    llm = build_llm(options)
+    llm = _engine(options)
     with tempfile.TemporaryDirectory(prefix="rlt-hal-init-") as tmp:
         baseline = None
         if args.random_baseline:
             write_initial_checkpoint(llm.model_dir, Path(tmp))
-            baseline = build_llm(attrs.evolve(options, model=tmp))
+            baseline = _engine(attrs.evolve(options, model=tmp))
         report = perplexity(
             llm, args.seq_len, args.perplexity_tokens, args.adaptive_tokens, baseline
         )
@@ -140,6 +151,11 @@ def _write_reports(args: argparse.Namespace, report: dict, table: str) -> None:
             f.write(table + "\n")
 
 
+def _add_report_args(p) -> None:
+    p.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
+    p.add_argument("--markdown", metavar="OUT", help="also write the table to OUT")
+
+
 def _add_parity(sub) -> None:
     p = sub.add_parser(
         "parity",
@@ -152,8 +168,8 @@ def _add_parity(sub) -> None:
     p.add_argument("--against", help="side B's device (default: the same device as A)")
     p.add_argument("--against-backend", help="side B's attention backend")
     add_prompt_args(p, default="The quick brown fox jumps over the lazy dog")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens each side generates")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_parity)
 
 
@@ -163,14 +179,13 @@ def _add_acceptance(sub) -> None:
         help="is this device correct for Ouro? reference parity, cross-device, chunking, "
         "accuracy, latency (exit 1 when a part fails)",
     )
-    EngineArgs.add_cli_args(p, fields=("model", "device"), required=("model", "device"))
+    EngineArgs.add_cli_args(p, fields=("model", "preset", "device"))
     p.add_argument("--questions", help="JSONL question set (default: the one rlt-hal ships)")
     p.add_argument("--limit", type=int, help="only the first N questions")
     p.add_argument("--tolerance", type=float, default=0.5, help="cross-device |logit| tolerance")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt")
     p.add_argument("--prompt-len", type=int, default=64, help="the latency part's prompt")
-    p.add_argument("--json", metavar="OUT")
-    p.add_argument("--markdown", metavar="OUT")
+    _add_report_args(p)
     p.set_defaults(func=cmd_acceptance)
 
 
@@ -188,11 +203,12 @@ def _add_eval(sub) -> None:
         help="side B: 'reference' (the HF-module reference on side A's device) or a device",
     )
     p.add_argument("--questions", help="JSONL, one {id, question, answers} a line")
-    p.add_argument("--template", default="Question: {question}\nAnswer:")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--limit", type=int)
-    p.add_argument("--json", metavar="OUT")
-    p.add_argument("--markdown", metavar="OUT")
+    p.add_argument(
+        "--template", default="Question: {question}\nAnswer:", help="the prompt of a question"
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per answer")
+    p.add_argument("--limit", type=int, help="only the first N questions")
+    _add_report_args(p)
     ppl = p.add_argument_group(
         "--perplexity: held-out perplexity and accuracy per exit mode, through the runtime"
     )

@@ -7,15 +7,22 @@ import json
 import sys
 import time
 
+from runtime_glue.cli.parser import Parser
 from runtime_glue.cli.prompts import add_prompt_args, prompt_of_args
 from runtime_glue.engine.args import EngineArgs
-from runtime_glue.engine.llm import build_llm
-from runtime_glue.ouro.toy import PRESETS
+from runtime_glue.ouro.presets import PRESETS
 from runtime_glue.server.args import ServerArgs
+
+DESCRIPTION = (
+    "Serve and check ByteDance's Ouro looped language models on an Ascend NPU, a CUDA GPU or "
+    "the CPU. Each command's options: rlt-hal COMMAND --help."
+)
 
 
 def announced_llm(args: argparse.Namespace, progress: bool = True):
     """The engine of a command's ``EngineArgs`` options, announced on standard error."""
+    from runtime_glue.engine.llm import build_llm
+
     return build_llm(EngineArgs.from_cli_args(args), progress=progress, announce=True)
 
 
@@ -80,7 +87,7 @@ def _trained_checkpoint(args: argparse.Namespace) -> int:
     """The trained preset: trained once into the cache (by its recipe's hash), then copied."""
     import shutil
 
-    from runtime_glue.ouro.toy import cached_checkpoint
+    from runtime_glue.ouro.toy import cached_checkpoint, training_summary
 
     fixed = {
         "--seed": (args.seed, 0),
@@ -95,6 +102,7 @@ def _trained_checkpoint(args: argparse.Namespace) -> int:
     cached = cached_checkpoint("trained")
     shutil.copytree(cached, args.dir, dirs_exist_ok=True)
     print(f"wrote the trained Ouro checkpoint to {args.dir} (trained once, cached at {cached})")
+    print(training_summary(args.dir))
     return 0
 
 
@@ -136,9 +144,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def show_depth(tokenizer, token_ids, exit_steps) -> str:
-    """The text with each token's depth (loops run, 1-based) after it: ``Hello[2] world[4]``."""
+    """The text with, after each token, the loop its logits came from, 0-based as the API's
+    ``exit_steps`` and ``--exit-at-step`` count: ``Hello[1] world[3]``."""
     pieces = [
-        f"{tokenizer.decode([t], skip_special_tokens=True)}[{step + 1}]"
+        f"{tokenizer.decode([t], skip_special_tokens=True)}[{step}]"
         for t, step in zip(token_ids, exit_steps, strict=True)
     ]
     return "".join(pieces)
@@ -173,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_drivers(sub) -> None:
     p = sub.add_parser("drivers", help="list drivers and whether each can run here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=cmd_drivers)
 
 
@@ -182,7 +191,7 @@ def _add_plan(sub) -> None:
         "plan", help="the execution plan (mode, kernel per op) for a model here, and why"
     )
     EngineArgs.add_cli_args(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
 
@@ -191,11 +200,18 @@ def _add_toy_checkpoint(sub) -> None:
         "toy-checkpoint",
         help="write a small Ouro checkpoint: random weights, or --preset trained (trained here)",
     )
-    p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--loops", type=int, default=4, help="total_ut_steps")
-    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("dir", help="the directory to write (created if missing)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=list(PRESETS),
+        help="the model's shape; 'trained' is trained here once (minutes), then copied",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed")
+    p.add_argument("--loops", type=int, default=4, help="loops per token (total_ut_steps)")
+    p.add_argument(
+        "--shards", type=int, default=1, help="safetensors files (more than 1: with an index)"
+    )
     p.add_argument(
         "--gate-bias",
         type=float,
@@ -209,13 +225,18 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate for one prompt")
     EngineArgs.add_cli_args(p)
     add_prompt_args(p, required=True)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--seed", type=int, help="the sampling seed (default: unseeded)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument(
-        "--show-depth", action="store_true", help="print each token with the loops it ran"
+        "--json", action="store_true", help="print the tokens, exit loops, text and timing as JSON"
+    )
+    p.add_argument(
+        "--show-depth",
+        action="store_true",
+        help="print each token followed by [k]: the loop its logits came from (0-based, as "
+        "--exit-at-step and the API's exit_steps count)",
     )
     p.set_defaults(func=cmd_generate)
 
@@ -230,8 +251,8 @@ def _add_serve(sub) -> None:
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="generate from the embedded default checkpoint")
     EngineArgs.add_cli_args(p)
-    p.add_argument("--prompt", default="The quick brown fox")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", default="The quick brown fox", help="the prompt's text")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
     p.set_defaults(func=cmd_run)
 
 
@@ -239,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     from runtime_glue.bench import cli as bench_cli
     from runtime_glue.cli import checks as checks_cli
 
-    parser = argparse.ArgumentParser(prog="rlt-hal", description=__doc__)
+    parser = Parser(prog="rlt-hal", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_drivers(sub)
     _add_toy_checkpoint(sub)
@@ -256,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+    except (ValueError, RuntimeError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"rlt-hal: error: {exc}", file=sys.stderr)
         return 2
 

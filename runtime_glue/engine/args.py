@@ -19,10 +19,21 @@ import attrs
 
 DEFAULT_TOY_PRESET = "small"
 
-RANDOM_BANNER = (
-    "NOTE: no --model given; using the embedded toy checkpoint with RANDOM weights. "
-    "Its output is random text. Pass --model /path/to/Ouro-1.4B for a real model."
-)
+
+def toy_banner(preset: str) -> str:
+    """What a run without ``--model`` says about the embedded checkpoint of ``preset``."""
+    if preset == "trained":
+        return (
+            "NOTE: no --model given; using the embedded 'trained' toy checkpoint: a small Ouro "
+            "trained here on Python's own documentation, not Ouro-1.4B. Its text is "
+            "documentation-like, not good prose. Pass --model /path/to/Ouro-1.4B for the real "
+            "model."
+        )
+    return (
+        f"NOTE: no --model given; using the embedded {preset!r} toy checkpoint with RANDOM "
+        "weights. Its output is random text. Pass --model /path/to/Ouro-1.4B for a real model, "
+        "or --preset trained for a small one trained here."
+    )
 
 
 def cli_field(default: Any, help: str, **argparse_options: Any) -> Any:
@@ -31,7 +42,7 @@ def cli_field(default: Any, help: str, **argparse_options: Any) -> Any:
 
 
 def _preset_names() -> list[str]:
-    from runtime_glue.ouro.toy import PRESETS
+    from runtime_glue.ouro.presets import PRESETS
 
     return list(PRESETS)
 
@@ -41,7 +52,6 @@ def add_fields(
     cls: type,
     fields: Iterable[str] | None,
     exclusive: Sequence[tuple[str, str]] = (),
-    required: Iterable[str] = (),
     group_title: str | None = None,
 ) -> None:
     """Register ``cls``'s fields (all, or ``fields``) as ``--flags`` on ``parser``; a pair in
@@ -62,13 +72,8 @@ def add_fields(
             options["choices"] = options["choices"]()
         if options.get("action") not in ("store_true", argparse.BooleanOptionalAction):
             options.setdefault("type", type(f.default) if f.default is not None else str)
-        if f.name in set(required):
-            options["required"] = True
-        help = f.metadata["help"]
-        if "default" not in help and f.default not in (None, False):
-            help += f" (default: {f.default})"
-        groups.get(f.name, target).add_argument(
-            "--" + f.name.replace("_", "-"), default=f.default, help=help, **options
+        groups.get(f.name, target).add_argument(  # the help's formatter shows the default
+            "--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **options
         )
 
 
@@ -111,7 +116,9 @@ class EngineArgs:
         "(rlt-hal plan shows the choice)",
     )
     block_size: int = cli_field(128, "tokens per KV block (a power of two >= 16)")
-    num_blocks: int | None = cli_field(None, "KV pool size in blocks", type=int)
+    num_blocks: int | None = cli_field(
+        None, "KV pool size in blocks (default: as many as --kv-cache-memory holds)", type=int
+    )
     kv_cache_memory: int | None = cli_field(
         None, "KV pool size in bytes (default 512 MiB)", type=int, metavar="BYTES"
     )
@@ -148,7 +155,10 @@ class EngineArgs:
         type=float,
     )
     exit_at_step: int | None = cli_field(
-        None, "default loop to read logits from (0 .. loops - 1)", type=int
+        None,
+        "default loop to read logits from, for requests that choose none (0 .. loops - 1; "
+        "default: the checkpoint's early_exit_step, else its threshold, else the last loop)",
+        type=int,
     )
     adaptive_depth: bool = cli_field(
         False,
@@ -205,10 +215,9 @@ class EngineArgs:
         cls,
         parser: argparse.ArgumentParser,
         fields: Iterable[str] | None = None,
-        required: Iterable[str] = (),
     ) -> None:
         """Register every engine option (or only ``fields``) on ``parser``."""
-        add_fields(parser, cls, fields, cls.EXCLUSIVE, required)
+        add_fields(parser, cls, fields, cls.EXCLUSIVE)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace | dict, **overrides: Any) -> EngineArgs:
@@ -219,6 +228,10 @@ class EngineArgs:
         for a, va, b, vb, why in REFUSED:
             if _is(getattr(self, a), va) and _is(getattr(self, b), vb):
                 raise ValueError(f"{_flag(a, va)} cannot be combined with {_flag(b, vb)}: {why}")
+
+    def banner(self) -> str | None:
+        """What to tell a user about the weights before loading: None when --model is given."""
+        return None if self.model is not None else toy_banner(self.preset)
 
     def model_dir(self) -> Path:
         """``model``, or the embedded toy checkpoint of ``preset`` (written once, then cached)."""

@@ -13,7 +13,7 @@ import torch
 
 from hal.registry import Registry, default_registry
 from hal.types import KVLayout, check_block_size
-from runtime_glue.engine.args import RANDOM_BANNER, EngineArgs
+from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.sampling import SamplingParams
@@ -24,7 +24,7 @@ from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
-from runtime_glue.ouro.resolve import resolve
+from runtime_glue.ouro.resolve import record_note, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -329,24 +329,33 @@ def build_llm(
     """The engine ``args`` describe; ``announce`` prints what a user should know on standard
     error: the random-weights banner, the plan and the KV pool. ``options``: as
     ``LLM.from_engine_args`` (a registry, driver options)."""
-    if announce and args.model is None:
-        print(RANDOM_BANNER, file=sys.stderr)
+    if announce and args.banner():
+        print(args.banner(), file=sys.stderr)
     llm = LLM.from_engine_args(args, progress=progress, **options)
     if announce:
-        caching = "on" if llm.engine.config.enable_prefix_caching else "off"
-        spec = llm.speculative
-        spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
-        verdict = llm.engine.graph_admission  # None: graphs not asked for
-        graphs_line = (
-            ""
-            if verdict is None
-            else f"; step graphs {verdict.kernel} "
-            + ("admitted" if verdict.admitted else f"refused ({verdict.why})")
-        )
-        print(
-            f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
-            f"{graphs_line}",
-            file=sys.stderr,
-        )
-        print(llm.kv_summary, file=sys.stderr)
+        announce_llm(llm)
     return llm
+
+
+def announce_llm(llm: LLM) -> None:
+    """The start-up lines on standard error: the plan (and where its kernel choice is kept,
+    measured now or reused, so that a changed plan shows), then the KV pool."""
+    caching = "on" if llm.engine.config.enable_prefix_caching else "off"
+    spec = llm.speculative
+    spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
+    verdict = llm.engine.graph_admission  # None: graphs not asked for
+    graphs_line = (
+        ""
+        if verdict is None
+        else f"; step graphs {verdict.kernel} "
+        + ("admitted" if verdict.admitted else f"refused ({verdict.why})")
+    )
+    print(
+        f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
+        f"{graphs_line}",
+        file=sys.stderr,
+    )
+    note = record_note(llm.plan)
+    if note is not None:
+        print(f"  {note}", file=sys.stderr)
+    print(llm.kv_summary, file=sys.stderr)

@@ -7,10 +7,12 @@ from pathlib import Path
 
 def load_tokenizer(model_dir: str | Path):
     path = Path(model_dir)
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+    if not (path / "tokenizer.json").is_file():
+        # Without it transformers' fast tokenizer would try to convert a slow one and fail
+        # naming sentencepiece and tiktoken, not the file.
         raise FileNotFoundError(
-            f"{path}: no tokenizer.json or tokenizer_config.json; the model "
-            "directory must hold the checkpoint's tokenizer"
+            f"{path / 'tokenizer.json'}: not found; the model directory must hold the "
+            "checkpoint's tokenizer.json (Ouro's checkpoints ship one)"
         )
     # The fast tokenizer class reads tokenizer.json and tokenizer_config.json (chat template
     # included) without consulting config.json, whose model_type transformers does not know.

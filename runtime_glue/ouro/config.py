@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ class OuroConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> OuroConfig:
+        check_model_dir(model_dir)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: not found; a model directory needs config.json")
@@ -147,6 +149,30 @@ class OuroConfig:
             "torch_dtype": self.torch_dtype,
             "use_cache": True,
         }
+
+
+GET_A_CHECKPOINT = (
+    "rlt-hal never downloads models: it needs a local directory in the Hugging Face layout "
+    "(config.json, model.safetensors, tokenizer.json), e.g. from "
+    "`huggingface-cli download ByteDance/Ouro-1.4B --local-dir DIR`"
+)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """Raise an error that says what is wrong and how to get a checkpoint, unless
+    ``model_dir`` is an existing directory."""
+    path = Path(model_dir)
+    if path.is_dir():
+        return
+    if path.exists():
+        raise NotADirectoryError(f"model directory {path} is not a directory; {GET_A_CHECKPOINT}")
+    hub = (
+        f" ({str(model_dir)!r} looks like a Hugging Face hub id)"
+        if _HUB_ID.fullmatch(str(model_dir))
+        else ""
+    )
+    raise FileNotFoundError(f"model directory {path} does not exist{hub}; {GET_A_CHECKPOINT}")
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:

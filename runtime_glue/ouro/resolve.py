@@ -310,6 +310,17 @@ def _candidates(driver: Driver, op: str, linear: str | None) -> tuple[list[Kerne
     return usable, notes
 
 
+# The first words of the note that says where a deterministic plan's kernel choice is kept.
+RECORDED_IN = "kernels as recorded in "
+MEASURED_NOW = "kernels measured now ("
+
+
+def record_note(plan: ExecutionPlan) -> str | None:
+    """Where the plan's kernel choice is recorded, and whether it was measured now or reused
+    (None for a plan that keeps no record: HF-exact, fast)."""
+    return next((n for n in plan.notes if n.startswith((RECORDED_IN, MEASURED_NOW))), None)
+
+
 def _deterministic_plan(driver, backend, cfg, weights, linear, remeasure) -> ExecutionPlan:
     """The recorded choice for this machine, shape and flags if it still passes the start-up
     check; else (or with ``remeasure``) a choice measured now, and recorded."""
@@ -324,7 +335,7 @@ def _deterministic_plan(driver, backend, cfg, weights, linear, remeasure) -> Exe
         if recorded is not None:
             stale = _recheck(recorded.chosen, ops, driver)  # never a recorded verdict
             if stale is None:
-                note = f"kernels as recorded in {record.path} ({recorded.when})"
+                note = f"{RECORDED_IN}{record.path} ({recorded.when})"
                 return _plan(backend, recorded, (*recorded.notes, note))
             logger.warning(
                 "the recorded plan failed its start-up check, measuring again: %s", stale
@@ -334,7 +345,7 @@ def _deterministic_plan(driver, backend, cfg, weights, linear, remeasure) -> Exe
             why = "asked to (--remeasure-plan)" if remeasure else "none recorded"
         recorded = _measure(driver, ops, linear)
         record.save(recorded)
-    note = f"kernels measured now ({why}; {recorded.when}) and recorded in {record.path}"
+    note = f"{MEASURED_NOW}{why}; {recorded.when}) and recorded in {record.path}"
     return _plan(backend, recorded, (*recorded.notes, note))
 
 

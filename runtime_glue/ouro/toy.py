@@ -24,6 +24,8 @@ from safetensors.torch import save_file
 from hal.cache import cache_dir
 from runtime_glue.ouro.checkpoint import INDEX_FILE, expected_tensors
 from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.presets import PRESETS, TOKENIZER_VOCAB
+from runtime_glue.ouro.progress import TrainingProgress, duration
 from runtime_glue.ouro.train import Recipe
 
 logger = logging.getLogger(__name__)
@@ -35,48 +37,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-TOKENIZER_VOCAB = 1024
-
-PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        vocab_size=TOKENIZER_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-    ),
-    "small": dict(
-        vocab_size=TOKENIZER_VOCAB,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-    ),
-    # Trained, not random (write_trained_checkpoint): sized from steps/s measured here.
-    "trained": dict(
-        vocab_size=TOKENIZER_VOCAB,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-    ),
-    "ouro-1.4b-shape": dict(
-        vocab_size=49152,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=128,
-    ),
-}
-
 _CORPUS = """\
 Ouro is a looped language model: it runs the same stack of decoder layers several times for
 every token, and each pass refines the hidden state before the next one begins. The runtime
@@ -208,38 +168,39 @@ def write_trained_checkpoint(
     out_dir: str | Path,
     recipe: Recipe = TRAINED_RECIPE,
     cfg: OuroConfig | None = None,
-    progress: bool = True,
+    progress: TrainingProgress | None = None,
 ) -> Path:
     """Train the ``trained`` preset (or ``cfg``) by ``recipe`` and write it, with
     ``training.json``: the recipe, its hash, the split rule, the run's losses and timing, and the
-    training code's held-out figures (trained, at initialisation, and a unigram model)."""
+    training code's held-out figures (trained, at initialisation, and a unigram model).
+    ``progress`` shows the four phases (corpus, tokenizer, training, evaluation) as they run."""
     from runtime_glue.ouro import corpus, train
 
     cfg = cfg or trained_config()
+    progress = progress or TrainingProgress(enabled=False)
     start = time.perf_counter()
-    train_docs, held_docs = corpus.split(corpus.documents(recipe.sources))
-    tok = train_tokenizer(cfg.vocab_size, [d.text for d in train_docs])
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tok.encode_batch(texts)]
-
-    train_ids = corpus.token_stream(encode, train_docs)
-    held = train.windows(corpus.token_stream(encode, held_docs), recipe.seq_len)
-    held = held[: max(1, recipe.eval_tokens // recipe.seq_len)]
+    tok, docs, train_ids, held = _training_data(cfg, recipe, progress)
+    progress.phase(
+        "training",
+        f"{recipe.steps} steps of {recipe.batch} windows x {recipe.seq_len} tokens "
+        f"on {recipe.threads} threads",
+    )
     model, record = train.train(cfg, recipe, train_ids, progress)
     weights = model.bf16_weights()
     model.load_state_dict({n: w.float() for n, w in weights.items()})  # what the file holds
     write_files(out_dir, cfg, weights, tokenizer=tok)
+    progress.phase(
+        "evaluation", f"held-out loss per loop over {held[:, 1:].numel()} tokens, and baselines"
+    )
     init = train.TrainOuro(cfg)
     train.init_weights(init, torch.Generator().manual_seed(recipe.seed))
     report = {
         "recipe": attrs.asdict(recipe),
         "recipe_hash": recipe.digest(cfg),
         "split": corpus.SPLIT_RULE,
-        "documents": {"train": len(train_docs), "held_out": len(held_docs)},
+        "documents": {"train": len(docs[0]), "held_out": len(docs[1])},
         "torch": torch.__version__,
         **record,
-        "total_seconds": time.perf_counter() - start,
         "held_out": {
             "trained": train.loop_losses(model, held),
             "random_init": train.loop_losses(init, held),
@@ -248,11 +209,53 @@ def write_trained_checkpoint(
             ),
         },
     }
+    report["total_seconds"] = time.perf_counter() - start
     (Path(out_dir) / TRAINING_FILE).write_text(json.dumps(report, indent=2))
     return Path(out_dir)
 
 
+def _training_data(cfg: OuroConfig, recipe: Recipe, progress: TrainingProgress):
+    """The tokenizer, the (train, held-out) documents, the training token stream and the
+    held-out windows of ``recipe``, each phase announced on ``progress``."""
+    from runtime_glue.ouro import corpus, train
+
+    phase_start = time.perf_counter()
+    progress.phase("corpus", f"reading Python's own documentation ({', '.join(recipe.sources)})")
+    train_docs, held_docs = corpus.split(corpus.documents(recipe.sources))
+    progress.say(
+        f"  {len(train_docs)} documents to train on, {len(held_docs)} held out "
+        f"({duration(time.perf_counter() - phase_start)})"
+    )
+    phase_start = time.perf_counter()
+    progress.phase("tokenizer", f"a {cfg.vocab_size}-token byte-level BPE on the training text")
+    tok = train_tokenizer(cfg.vocab_size, [d.text for d in train_docs])
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch(texts)]
+
+    train_ids = corpus.token_stream(encode, train_docs)
+    held = train.windows(corpus.token_stream(encode, held_docs), recipe.seq_len)
+    held = held[: max(1, recipe.eval_tokens // recipe.seq_len)]
+    progress.say(
+        f"  {len(train_ids)} training tokens ({duration(time.perf_counter() - phase_start)})"
+    )
+    return tok, (train_docs, held_docs), train_ids, held
+
+
 TRAINING_FILE = "training.json"
+
+
+def training_summary(model_dir: str | Path) -> str:
+    """One line from a trained checkpoint's ``training.json``: time, final loss, held-out
+    perplexity at the last loop, and where the record is."""
+    path = Path(model_dir) / TRAINING_FILE
+    record = json.loads(path.read_text())
+    held = record.get("held_out", {}).get("trained", {}).get("perplexity_per_loop")
+    perplexity = f", held-out perplexity {held[-1]:.2f} (last loop)" if held else ""
+    return (
+        f"trained in {duration(record['total_seconds'])}: final loss "
+        f"{record['final_loss']:.3f}{perplexity}; the record: {path}"
+    )
 
 
 def cached_checkpoint(
@@ -275,16 +278,26 @@ def cached_checkpoint(
         # of `rlt-hal serve --replicas N`) never read a half-written checkpoint.
         staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         if preset == "trained":
-            logger.warning("training the %s checkpoint into %s (minutes)", preset, path)
-            write_trained_checkpoint(staging, recipe, trained_cfg)
+            progress = TrainingProgress()
+            progress.say(
+                f"training the {preset!r} checkpoint into {path}: once, then cached "
+                "(minutes: 10 to 30 on 2 cores)"
+            )
+            write_trained_checkpoint(staging, recipe, trained_cfg, progress)
+            _into_place(staging, path)
+            progress.say(training_summary(path))
         else:
             logger.warning("writing the random %s checkpoint to %s", preset, path)
             write_checkpoint(staging, preset_config(preset), seed=seed)
-        try:
-            staging.rename(path)
-        except OSError:  # another process put its copy there first; both are the same
-            shutil.rmtree(staging)
+            _into_place(staging, path)
     return path
+
+
+def _into_place(staging: Path, path: Path) -> None:
+    try:
+        staging.rename(path)
+    except OSError:  # another process put its copy there first; both are the same
+        shutil.rmtree(staging)
 
 
 def write_tokenizer(out: Path, tokenizer=None) -> None:

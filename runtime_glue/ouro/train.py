@@ -35,6 +35,7 @@ from torch import nn
 
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import exit_pdf
+from runtime_glue.ouro.progress import TrainingProgress
 
 RECIPE_VERSION = 1  # bump when the code changes what a recipe trains
 
@@ -219,11 +220,14 @@ def _lr(recipe: Recipe, step: int) -> float:
 
 
 def train(
-    cfg: OuroConfig, recipe: Recipe, train_ids: Sequence[int], progress: bool = True
+    cfg: OuroConfig,
+    recipe: Recipe,
+    train_ids: Sequence[int],
+    progress: TrainingProgress | None = None,
 ) -> tuple[TrainOuro, dict]:
-    """Train from scratch; the model, and a record of the run (losses, timing)."""
-    from tqdm import tqdm
-
+    """Train from scratch; the model, and a record of the run (losses, timing). ``progress``
+    shows each step (default: nothing)."""
+    progress = progress or TrainingProgress(enabled=False)
     torch.set_num_threads(recipe.threads)
     gen = torch.Generator().manual_seed(recipe.seed)
     model = TrainOuro(cfg)
@@ -241,8 +245,8 @@ def train(
     )
     history: list[dict] = []
     start = time.perf_counter()
-    bar = tqdm(range(recipe.steps), desc="training Ouro", disable=not progress, mininterval=2)
-    for step in bar:
+    progress.start(recipe.steps)
+    for step in range(recipe.steps):
         for group in opt.param_groups:
             group["lr"] = _lr(recipe, step)
         batch = data[torch.randint(len(data), (recipe.batch,), generator=gen)]
@@ -252,11 +256,11 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         opt.step()
-        last = float(per_loop[-1])
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", last_loop_ce=f"{last:.3f}")
         history.append(
             {"step": step, "loss": float(loss.detach()), "ce_per_loop": per_loop.tolist()}
         )
+        progress.step(step, history[-1]["loss"])
+    progress.close()
     seconds = time.perf_counter() - start
     record = {
         "train_seconds": seconds,

@@ -1,16 +1,21 @@
-"""FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""The app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics here; the
+tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info) and /version in
+``tokenizer_api``."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import signal
+import socket
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +29,7 @@ from runtime_glue.engine.request import RequestOutput
 from runtime_glue.server import DEFAULT_MAX_REQUEST_BYTES
 from runtime_glue.server.args import ServerArgs
 from runtime_glue.server.engine_loop import EngineFailed, EngineLoop
+from runtime_glue.server.messages import MessageError, template_messages
 from runtime_glue.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -31,7 +37,8 @@ from runtime_glue.server.protocol import (
     UnsupportedValue,
     error_body,
 )
-from runtime_glue.server.routes import chat_response, completion_response
+from runtime_glue.server.routes import Choice, chat_response, completion_response, plan_choices
+from runtime_glue.server.tokenizer_api import install_tokenizer_routes
 from runtime_glue.server.tokenizing import Tokenizing
 
 
@@ -89,17 +96,20 @@ class Server:
                 code="invalid_api_key",
             )
 
-    def prepare(self, body, prompt_ids: list[int]):
-        self.loop.check()  # a dead engine answers 503 before a response (or stream) begins
-        if self.loop.draining:
-            raise ApiError(503, "the server is shutting down", "server_error")
-        if body.model != self.model_name:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
             raise ApiError(
                 404,
-                f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
             )
+
+    def prepare(self, body, prompts: list[list[int]]) -> list[Choice]:
+        """The request's choices, every prompt validated before any runs."""
+        self.loop.check()  # a dead engine answers 503 before a response (or stream) begins
+        if self.loop.draining:
+            raise ApiError(503, "the server is shutting down", "server_error")
         try:
             body.check_supported()
             params = body.sampling_params(self.default_max_tokens)
@@ -107,24 +117,45 @@ class Server:
             raise ApiError(400, str(exc), param=exc.param) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        try:
-            self.llm.engine.validate(prompt_ids, params)
-        except InvalidRequest as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        return params
+        batched = isinstance(body, CompletionRequest) and body.batched
+        for i, ids in enumerate(prompts):
+            try:
+                self.llm.engine.validate(ids, params)
+            except InvalidRequest as exc:
+                if not batched:
+                    raise ApiError(400, str(exc), param=exc.param) from None
+                param = f"prompt[{i}]" if exc.param == "prompt" else exc.param
+                raise ApiError(400, f"prompt[{i}]: {exc}", param=param) from None
+        return plan_choices(prompts, params, body.n)
 
-    async def prompt_ids(self, body) -> list[int]:
-        """The request's prompt as token ids, tokenized (and templated) on a pool thread."""
+    async def prompts(self, body) -> list[list[int]]:
+        """The request's prompts as token ids, tokenized (and templated) on pool threads."""
         if isinstance(body, ChatCompletionRequest):
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            size = sum(len(str(m.get("content", ""))) for m in messages)
-            return await self.tokenizing.run(size, lambda tok: _chat_ids(tok, messages))
-        prompt = body.single_prompt()
+            try:
+                messages = template_messages(body.messages)
+            except MessageError as exc:
+                raise ApiError(400, str(exc), param=exc.param) from None
+            return [await self.chat_ids(messages)]
+        return list(await asyncio.gather(*(self.encode(p) for p in body.prompts())))
+
+    async def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
         return await self.tokenizing.run(
-            len(prompt), lambda tok: tok.encode(prompt, add_special_tokens=False)
+            len(prompt), lambda tok: tok.encode(prompt, add_special_tokens=add_special_tokens)
         )
+
+    async def chat_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """``messages`` through the checkpoint's chat template; a template that fails on
+        them (a role it refuses, an empty conversation) is the request's fault: 400."""
+        size = sum(len(str(m.get("content", ""))) for m in messages)
+        kwargs = {"add_generation_prompt": True, **template_kwargs}
+        try:
+            return await self.tokenizing.run(size, lambda tok: _chat_ids(tok, messages, **kwargs))
+        except (jinja2.TemplateError, ValueError) as exc:  # ValueError: transformers' checks
+            raise ApiError(
+                400, f"the chat template failed on these messages: {exc}", param="messages"
+            ) from None
 
     def begin_shutdown(self) -> None:
         """SIGINT/SIGTERM: admit nothing more; what runs gets ``shutdown_timeout`` seconds,
@@ -163,9 +194,9 @@ class Server:
                 self.loop.abort(rid)
 
 
-def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+def _chat_ids(tokenizer, messages: list[dict], add_special_tokens=False, **kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def build_app(server: Server) -> FastAPI:
@@ -226,6 +257,21 @@ def _replay(messages):
     return receive
 
 
+_UNION_BRANCHES = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _param(loc) -> str:
+    """A pydantic error location as the field's name in the request: ``messages[0].content``
+    (``body`` and the names pydantic gives a union's branches left out)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "body" and "[" not in part and part not in _UNION_BRANCHES:
+            out += f".{part}" if out else part
+    return out
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request, exc: ApiError):
@@ -234,16 +280,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_request, exc: RequestValidationError):
         err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = _param(err.get("loc", ()))
         if err.get("type") == "json_invalid":
             return _json_error(400, "the request body is not valid JSON")
         if err.get("type") == "extra_forbidden":
-            return _json_error(
-                400, f"unknown field {'.'.join(loc)!r} is not supported", param=".".join(loc)
-            )
-        return _json_error(
-            400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param=".".join(loc) or None
-        )
+            return _json_error(400, f"unknown field {param!r} is not supported", param=param)
+        return _json_error(400, f"{param or 'body'}: {err.get('msg')}", param=param or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request, exc: StarletteHTTPException):
@@ -261,26 +303,31 @@ def _install_routes(app: FastAPI, server: Server) -> None:
     async def metrics():
         return Response(server.loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> dict:
+        return {
+            "id": server.model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "rlt-hal",
+            "max_model_len": server.llm.engine.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models(request: Request):
         server.check_auth(request)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "rlt-hal",
-                }
-            ],
-        }
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        server.check_auth(request)
+        server.check_model(model_id)
+        return card()
 
     async def handle(body, request: Request, respond, prefix: str):
         server.check_auth(request)
-        ids = await server.prompt_ids(body)
-        params = server.prepare(body, ids)
-        return await respond(server, body, ids, params, request, f"{prefix}-{uuid.uuid4().hex}")
+        server.check_model(body.model)  # before any tokenizing
+        choices = server.prepare(body, await server.prompts(body))
+        return await respond(server, body, choices, request, f"{prefix}-{uuid.uuid4().hex}")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -290,6 +337,8 @@ def _install_routes(app: FastAPI, server: Server) -> None:
     async def chat(body: ChatCompletionRequest, request: Request):
         return await handle(body, request, chat_response, "chatcmpl")
 
+    install_tokenizer_routes(app, server)
+
 
 def run(engine: EngineArgs, options: ServerArgs) -> int:
     """``rlt-hal serve`` on one device: uvicorn on ``host:port`` until SIGINT/SIGTERM, then the
@@ -298,6 +347,7 @@ def run(engine: EngineArgs, options: ServerArgs) -> int:
     import uvicorn
 
     options.check_single()
+    sock = listening_socket(options.host, options.port)  # before minutes of loading
     llm = build_llm(engine, progress=True, announce=True)
     server = Server.from_args(llm, engine, options)
     print(
@@ -325,5 +375,24 @@ def run(engine: EngineArgs, options: ServerArgs) -> int:
                 server.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    Uvicorn(config).run()
+    Uvicorn(config).run(sockets=[sock])
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a port in use is reported at
+    once rather than after the model has loaded; uvicorn listens on it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RuntimeError(
+                f"--port {port}: {host}:{port} is already in use (another server?); stop it or "
+                "choose another --port"
+            ) from None
+        raise RuntimeError(f"--host {host} --port {port}: cannot listen there ({exc})") from None
+    sock.set_inheritable(True)
+    return sock

@@ -23,7 +23,9 @@ class ServerArgs:
     host: str = cli_field("127.0.0.1", "address to listen on")
     port: int = cli_field(8000, "port to listen on")
     served_model_name: str | None = cli_field(
-        None, "the model name requests give (default: --model, or rlt-hal-toy-random)"
+        None,
+        "the model name requests give (default: --model; without it rlt-hal-toy-trained for "
+        "--preset trained, else rlt-hal-toy-random)",
     )
     api_key: str | None = cli_field(None, "require 'Authorization: Bearer KEY' on /v1/*")
     default_max_tokens: int = cli_field(
@@ -77,7 +79,9 @@ class ServerArgs:
         return from_fields(cls, args, **overrides)
 
     def model_name(self, engine: EngineArgs) -> str:
-        return self.served_model_name or (engine.model or "rlt-hal-toy-random")
+        if self.served_model_name or engine.model:
+            return self.served_model_name or str(engine.model)
+        return "rlt-hal-toy-trained" if engine.preset == "trained" else "rlt-hal-toy-random"
 
     def check_single(self) -> None:
         """Without ``--replicas``, the Ray options mean nothing: refuse them."""

@@ -7,11 +7,14 @@ with an error that says "not supported" otherwise.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, cast
+from typing import Annotated, Any, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.server.messages import ChatMessage
+
+MAX_CHOICES = 1024  # choices per request (prompts x n): each is an engine request
 
 
 class ApiError(Exception):
@@ -39,7 +42,11 @@ class UnsupportedValue(ValueError):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # OpenAI's: a last chunk, with no choices, carries the whole request's usage.
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage of its choice so far (its prompt's tokens and the
+    # tokens that choice has generated).
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -66,7 +73,8 @@ class _SamplingFields(BaseModel):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    # Choices per prompt: each its own engine request (sample j seeded seed + j, as vLLM).
+    n: Annotated[int, Field(ge=1, le=128)] = 1
     user: str | None = None
     # OpenAI fields rlt-hal does not implement: only their neutral value is accepted.
     presence_penalty: float = 0.0
@@ -75,8 +83,6 @@ class _SamplingFields(BaseModel):
     logprobs: bool | int | None = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise UnsupportedValue("n", f"n={self.n} is not supported; rlt-hal returns one choice")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise UnsupportedValue(name, f"{name} is not supported (must be 0)")
@@ -106,12 +112,54 @@ class _SamplingFields(BaseModel):
             num_speculative_tokens=self.num_speculative_tokens,
         )
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
 
 class CompletionRequest(_SamplingFields):
+    # OpenAI's four shapes: a string, a list of token ids (one prompt each), or a batch: a
+    # list of strings or of token-id lists, one prompt per entry.
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        if isinstance(value, str) or _is_ids(value):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string, a list of token ids, or a list of those")
+        for i, entry in enumerate(value):
+            if not (isinstance(entry, str) or _is_ids(entry)):
+                raise ValueError(f"prompt[{i}] must be a string or a list of token ids")
+        if len({isinstance(entry, str) for entry in value}) > 1:
+            raise ValueError("a batch of prompts must be all strings or all token-id lists")
+        return value
+
+    @property
+    def batched(self) -> bool:
+        """Whether ``prompt`` is a list of prompts (errors then name ``prompt[i]``)."""
+        p = self.prompt
+        return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request, in order."""
+        if self.batched:
+            return list(cast("list[str | list[int]]", self.prompt))
+        return [cast("str | list[int]", self.prompt)]
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -121,24 +169,13 @@ class CompletionRequest(_SamplingFields):
             raise UnsupportedValue("best_of", "best_of > 1 is not supported")
         if self.suffix:
             raise UnsupportedValue("suffix", "suffix is not supported")
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1:
+        choices = len(self.prompts()) * self.n
+        if choices > MAX_CHOICES:
             raise UnsupportedValue(
-                "prompt", "batched prompts are not supported; send one prompt per request"
+                "n" if self.n > 1 else "prompt",
+                f"{len(self.prompts())} prompts x n={self.n} = {choices} choices; "
+                f"a request may ask for at most {MAX_CHOICES}",
             )
-
-    def single_prompt(self) -> str | list[int]:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one (check_supported refused larger ones)
-        return cast("str | list[int]", p)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
