@@ -135,7 +135,7 @@ class StaticDecodeMetadata:
         offsets = torch.arange(block_size, device=block_tables.device)
         slots = (block_tables[:, :, None] * block_size + offsets).reshape(-1)
         positions = torch.arange(width * block_size, device=block_tables.device)
-        masked = (positions[None, :] >= seq_lens[:, None]).view(rows, 1, 1, -1)
+        masked = (positions[None, :] >= seq_lens[:, None]).view(rows, 1, 1, width * block_size)
         return cls(block_size, slot_mapping, block_tables, seq_lens, slots, masked)
 
     @classmethod

@@ -20,10 +20,12 @@ from hal.kernels import (
     hf_silu_mul,
 )
 from hal.testing.reference import ATTENTION_BOUND, attention_f64
-from hal.types import AttentionMetadata, KVLayout
+from hal.types import AttentionMetadata, KVAddressing, KVLayout
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
-from runtime_glue.ouro.model import OuroModel, StepInputs
+from runtime_glue.engine.step import sequence_inputs
+from runtime_glue.ouro.exits import ExitMode
+from runtime_glue.ouro.model import OuroModel
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 
@@ -251,11 +253,13 @@ def test_stacked_projections_give_the_bits_of_separate_calls(wide):
     apart = OuroModel(
         llm.config, _weights(llm), attrs.evolve(llm.plan, stacked=False), llm.driver, llm.kv_store
     )
-    n = 40
-    ids, pos = torch.tensor(prompt_of(n, seed=3)), torch.arange(n)
+    n, cfg = 40, llm.config
     meta = AttentionMetadata.build(16, [(n, 0, [0, 1, 2])])
-    step = StepInputs(ids, pos, meta, torch.arange(n), n, n, n - 1)
-    assert torch.equal(llm.model.forward(step)[0], apart.forward(step)[0])
+    kv = KVAddressing.uniform(meta, cfg.num_hidden_layers, llm.kv_layout.num_slots)
+    modes = [ExitMode()] * n
+    loops = cfg.total_ut_steps
+    step = sequence_inputs(torch.device("cpu"), kv, prompt_of(n, seed=3), 0, True, modes, loops)
+    assert torch.equal(llm.model.forward(step).logits, apart.forward(step).logits)
 
 
 def _weights(llm):

@@ -71,11 +71,11 @@ def test_cuda_step_graphs_replay_what_the_static_step_computes_eagerly(checkpoin
     llm.generate([prompt_of(20, seed=s) for s in range(3)], params)
     runner = llm.engine.graphs
     assert runner.stats["graph_steps"] >= 4, runner.stats
-    for graph, buf, (out, picks, packed) in runner._graphs.values():
+    for graph, buf, (logits, chosen, _, _, picks, packed) in runner._graphs.values():
         graph.replay()
         with torch.inference_mode():
             eager = llm.model.forward(static_inputs(llm.model, buf, None))
-        assert torch.equal(out.logits, eager.logits) and torch.equal(out.chosen, eager.chosen)
+        assert torch.equal(logits, eager.logits) and torch.equal(chosen, eager.chosen)
         assert torch.equal(picks, picks_of(eager)) and torch.equal(packed, packed_of(eager))
 
 

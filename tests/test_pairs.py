@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from runtime_glue.checks.parity import within_tolerance
 from runtime_glue.engine.args import REFUSED, EngineArgs
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
@@ -84,7 +85,9 @@ def test_kv_sharing_replayed_from_graphs_is_the_sharing_reference_bit_for_bit(ti
 
 def test_kv_sharing_in_fast_mode_stays_near_the_exact_plan(tiny_ckpt):
     """The fused loop and its fused KV writes address shared blocks like any other; fast mode
-    is within its tolerance of the exact plan (here: the same greedy tokens)."""
+    is within the tolerance it keeps without sharing (logits within 1.0 of the exact plan's
+    while both are fed the same tokens, which part only at a near-tie: tests/test_npu_fused.py
+    holds fast mode so)."""
     exact = _npu(tiny_ckpt, "hf-exact", False, kv_sharing="last", num_blocks=16)
     fast = _npu(tiny_ckpt, "fast", True, kv_sharing="last", num_blocks=16)
     assert fast.engine.graphs is not None
@@ -92,8 +95,8 @@ def test_kv_sharing_in_fast_mode_stays_near_the_exact_plan(tiny_ckpt):
     for prompt in PROMPTS:
         [want] = exact.generate([prompt], params, return_logits=True)
         [got] = fast.generate([prompt], params, return_logits=True)
-        assert got.token_ids == want.token_ids
-        assert (got.logits - want.logits).abs().max() <= 0.5
+        check = within_tolerance(want.token_ids, want.logits, got.token_ids, got.logits, 1.0)
+        assert check.passed and check.max_logit_diff > 0, check
 
 
 @pytest.mark.parametrize("refused", REFUSED, ids=lambda r: f"{r[0]}-{r[2]}")

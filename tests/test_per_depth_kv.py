@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from hal.types import AttentionMetadata
+from hal.types import AttentionMetadata, KVAddressing
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
-from runtime_glue.ouro.model import StepInputs
+from runtime_glue.engine.step import sequence_inputs
+from runtime_glue.ouro.exits import ExitMode
 from tests.helpers import GREEDY, prompt_of, request_slots
 
 
@@ -67,8 +68,12 @@ def test_changing_a_later_token_never_changes_earlier_logits(tiny_ckpt, driver_n
 
     def all_logits(ids: list[int]) -> torch.Tensor:
         meta = AttentionMetadata.build(16, [(n, 0, [0, 1])])
-        rows = torch.arange(n)
-        return model.forward(StepInputs(torch.tensor(ids), rows, meta, rows, n, n, n - 1))[0]
+        cfg = llm.config
+        kv = KVAddressing.uniform(meta, cfg.num_hidden_layers, llm.kv_layout.num_slots)
+        modes = [ExitMode()] * n
+        device = llm.driver.device.torch_device
+        step = sequence_inputs(device, kv, ids, 0, True, modes, cfg.total_ut_steps)
+        return model.forward(step).logits
 
     a = prompt_of(n, seed=5)
     b = list(a)

@@ -371,10 +371,10 @@ class Engine:
         greedy picks (argmax on the device) when that is all the step needs, else the logits
         (float32), sampled on the host by each request's seed and the token's position."""
         out, reqs = result.out, host.sampled
-        states = out.states
-        if host.early is not None:  # what draft rows keep, before a replay overwrites it
-            states = states[: host.early].clone()
-        gates = None if out.gates is None or host.early is None else out.gates[: host.early].clone()
+        states, gates = out.states, out.gates
+        if host.groups["draft"] and host.early is not None:  # what draft rows keep, before a
+            states = states[: host.early].clone()  # replay overwrites it
+            gates = None if gates is None else gates[: host.early].clone()
         if not any(r.return_logits or not r.params.greedy for r in reqs):
             picks = result.picks if result.picks is not None else picks_of(out)
             both = self.device.to_host(picks).tolist()

@@ -115,6 +115,7 @@ class _Buffers:
         E, H = early or 1, model.cfg.hidden_size
         self.kept_states = torch.zeros(v, E, H, dtype=model.embed.dtype, device=device)
         self.kept_gates = torch.zeros(v, E, dtype=model.embed.dtype, device=device)
+        self.no_gates = torch.zeros(E, dtype=model.embed.dtype, device=device)  # kept none
         index = {
             "all": list(range(B)),
             "first": list(range(g + d)),
@@ -136,8 +137,7 @@ class _Buffers:
             n = len(host.kept_states)
             self.kept_states[:n].copy_(torch.stack(host.kept_states))
             if host.gated:
-                zero = self.kept_gates.new_zeros(self.kept_gates.shape[1])
-                gates = [zero if g is None else g for g in host.kept_gates]
+                gates = [self.no_gates if g is None else g for g in host.kept_gates]
                 self.kept_gates[:n].copy_(torch.stack(gates))
 
 
@@ -281,9 +281,10 @@ class StepGraphRunner:
         buf.load(values, host)
         early = self.builder.early if shape.rows[1] + shape.rows[2] else None
 
-        def step():
+        def step():  # plain tensors: what a graph's outputs are (an emulated one too)
             out = self.model.forward(static_inputs(self.model, buf, early))
-            return out, picks_of(out), packed_of(out)
+            assert out.gates is not None  # a graph always computes them (any row may need them)
+            return out.logits, out.chosen, out.states, out.gates, picks_of(out), packed_of(out)
 
         graph, outputs = self.graphs.capture(step)
         self._graphs[shape] = entry = (graph, buf, outputs)
@@ -302,16 +303,17 @@ class StepGraphRunner:
         tables: list[list[int]] = [[] for _ in metas]
         real: list[int] = []
         start, padded = 0, 0
+        host_slots = [meta.slot_mapping.tolist() for meta in metas]  # host tensors, read once
+        host_tables = [meta.block_tables.tolist() for meta in metas]
         for group, size in zip(GROUPS, shape.rows, strict=True):
             n = host.groups[group]
             for i in range(start, start + n):
                 real.append(padded + i - start)
                 self._row(cols, host, rule, i)
-                for t, meta in enumerate(metas):
-                    slots[t].append(int(meta.slot_mapping[i]))
-                    table = meta.block_tables[i].tolist()
-                    used = -(-(host.positions[i] + 1) // self.block_size)
-                    row = table[:used]
+                used = -(-(host.positions[i] + 1) // self.block_size)
+                for t in range(len(metas)):
+                    slots[t].append(host_slots[t][i])
+                    row = host_tables[t][i][:used]
                     tables[t] += row + row[:1] * (W - len(row))
             for j in range(size - n):  # padding rows: scratch pages only
                 pad = padded + n + j
@@ -410,7 +412,8 @@ def _decode_row(token: int, position: int, page: int, mode: ExitMode) -> Request
 
 
 def _real_rows(outputs, real: list[int]) -> Replayed:
-    out, picks, packed = outputs
+    logits, chosen, states, gates, picks, packed = outputs
+    out = StepOutput(logits, chosen, states, gates)
     n = len(real)
     if real == list(range(n)):  # the common case: one group, padding after it
         cut = StepOutput(out.logits[:n], out.chosen[:n], out.states[:, :n],
