@@ -31,7 +31,6 @@ import torch
 
 from hal.graphs import StepGraphs
 from hal.interfaces import Device
-from hal.shared_kv import prompt_blocks
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 from runtime_glue.engine.graphs import Replayed, StepGraphRunner, packed_of, picks_of
 from runtime_glue.engine.kv_manager import BlockAllocator
@@ -39,21 +38,15 @@ from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampling import SamplingParams, sample
 from runtime_glue.engine.scheduler import EngineConfig, Scheduler
 from runtime_glue.engine.shared_blocks import SharedBlocks
-from runtime_glue.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, Speculator
+from runtime_glue.engine.speculative import SpeculativeConfig, Speculator
 from runtime_glue.engine.step import HostStep, StepBuilder
+from runtime_glue.engine.validation import InvalidRequest as InvalidRequest
+from runtime_glue.engine.validation import check_request
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import Admission
 
 logger = logging.getLogger(__name__)
-
-
-class InvalidRequest(ValueError):
-    """A request that could never run; ``param`` names the field at fault."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @attrs.frozen(eq=False)
@@ -177,73 +170,7 @@ class Engine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that could never run here ("never", not
         "not now"). Every entry point (engine, LLM, server) checks through this one method."""
-        max_tokens = params.max_tokens
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        loops = self.model.cfg.total_ut_steps
-        if params.exit_at_step is not None and not 0 <= params.exit_at_step < loops:
-            raise InvalidRequest(
-                f"exit_at_step must be in [0, {loops}) (the model runs {loops} loops), "
-                f"got {params.exit_at_step}",
-                "exit_at_step",
-            )
-        if params.num_speculative_tokens:
-            self._validate_speculation(params.num_speculative_tokens)
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise InvalidRequest(
-                f"token ids {bad[:5]} are outside the vocabulary; they must be in [0, {vocab})",
-                "prompt",
-            )
-        n = len(prompt_token_ids)
-        need = n + max_tokens
-        if need > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {need} "
-                f"exceeds the model's maximum length of {self.max_model_len} tokens",
-                "max_tokens",
-            )
-        if self.shared is not None:
-            blocks = prompt_blocks(n, self.allocator.block_size)
-            generated = self.allocator.blocks_for(need) - blocks
-            blocks += self.shared.physical_for(generated)
-            if blocks > self.allocator.num_blocks:
-                raise InvalidRequest(
-                    f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} blocks of "
-                    f"KV cache under kv sharing, but the whole pool has "
-                    f"{self.allocator.num_blocks} blocks of {self.allocator.block_size}",
-                    "max_tokens",
-                )
-        elif need > self.pool_tokens:
-            raise InvalidRequest(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} "
-                f"tokens of KV cache, but the whole pool holds {self.pool_tokens} tokens "
-                f"({self.pool_tokens // self.allocator.block_size} blocks of "
-                f"{self.allocator.block_size})",
-                "max_tokens",
-            )
-        if self.config.prefill_chunk_size is None and n > self.config.max_num_batched_tokens:
-            raise InvalidRequest(
-                f"prompt of {n} tokens exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) with full prefill; raise "
-                "--max-num-batched-tokens or set --prefill-chunk-size",
-                "prompt",
-            )
-
-    def _validate_speculation(self, k: int) -> None:
-        if self.speculator is None:
-            raise InvalidRequest(
-                "num_speculative_tokens needs an engine started with --speculative-loops",
-                "num_speculative_tokens",
-            )
-        most = min(MAX_SPECULATIVE_TOKENS, self.config.max_num_batched_tokens - 1)
-        if k > most:
-            raise InvalidRequest(
-                f"num_speculative_tokens must be in [0, {most}] (a verify step computes k + 1 "
-                f"rows, within max_num_batched_tokens), got {k}",
-                "num_speculative_tokens",
-            )
+        check_request(self, prompt_token_ids, params)
 
     def add_request(
         self,

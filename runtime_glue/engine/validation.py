@@ -1,0 +1,95 @@
+"""Requests that could never run: refused before they are queued ("never", not "not now").
+
+:func:`check_request` is what ``Engine.validate`` runs for every entry point (engine, ``LLM``,
+server): the prompt, the exit loop, speculation, the vocabulary, the model's length, the pool
+(under kv sharing: prompt and generated blocks) and full prefill's budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hal.shared_kv import prompt_blocks
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.engine.speculative import MAX_SPECULATIVE_TOKENS
+
+
+class InvalidRequest(ValueError):
+    """A request that could never run; ``param`` names the field at fault."""
+
+    def __init__(engine, message: str, param: str) -> None:
+        super().__init__(message)
+        engine.param = param
+
+
+def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """Raise InvalidRequest for a request that could never run here ("never", not
+    "not now"). Every entry point (engine, LLM, server) checks through this one method."""
+    max_tokens = params.max_tokens
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt is empty", "prompt")
+    loops = engine.model.cfg.total_ut_steps
+    if params.exit_at_step is not None and not 0 <= params.exit_at_step < loops:
+        raise InvalidRequest(
+            f"exit_at_step must be in [0, {loops}) (the model runs {loops} loops), "
+            f"got {params.exit_at_step}",
+            "exit_at_step",
+        )
+    if params.num_speculative_tokens:
+        _check_speculation(engine, params.num_speculative_tokens)
+    vocab = engine.model.cfg.vocab_size
+    bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+    if bad:
+        raise InvalidRequest(
+            f"token ids {bad[:5]} are outside the vocabulary; they must be in [0, {vocab})",
+            "prompt",
+        )
+    n = len(prompt_token_ids)
+    need = n + max_tokens
+    if need > engine.max_model_len:
+        raise InvalidRequest(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {need} "
+            f"exceeds the model's maximum length of {engine.max_model_len} tokens",
+            "max_tokens",
+        )
+    if engine.shared is not None:
+        blocks = prompt_blocks(n, engine.allocator.block_size)
+        generated = engine.allocator.blocks_for(need) - blocks
+        blocks += engine.shared.physical_for(generated)
+        if blocks > engine.allocator.num_blocks:
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} blocks of "
+                f"KV cache under kv sharing, but the whole pool has "
+                f"{engine.allocator.num_blocks} blocks of {engine.allocator.block_size}",
+                "max_tokens",
+            )
+    elif need > engine.pool_tokens:
+        raise InvalidRequest(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} "
+            f"tokens of KV cache, but the whole pool holds {engine.pool_tokens} tokens "
+            f"({engine.pool_tokens // engine.allocator.block_size} blocks of "
+            f"{engine.allocator.block_size})",
+            "max_tokens",
+        )
+    if engine.config.prefill_chunk_size is None and n > engine.config.max_num_batched_tokens:
+        raise InvalidRequest(
+            f"prompt of {n} tokens exceeds max_num_batched_tokens "
+            f"({engine.config.max_num_batched_tokens}) with full prefill; raise "
+            "--max-num-batched-tokens or set --prefill-chunk-size",
+            "prompt",
+        )
+
+
+def _check_speculation(engine: Any, k: int) -> None:
+    if engine.speculator is None:
+        raise InvalidRequest(
+            "num_speculative_tokens needs an engine started with --speculative-loops",
+            "num_speculative_tokens",
+        )
+    most = min(MAX_SPECULATIVE_TOKENS, engine.config.max_num_batched_tokens - 1)
+    if k > most:
+        raise InvalidRequest(
+            f"num_speculative_tokens must be in [0, {most}] (a verify step computes k + 1 "
+            f"rows, within max_num_batched_tokens), got {k}",
+            "num_speculative_tokens",
+        )
