@@ -17,14 +17,13 @@ from runtime_glue.engine.speculative import MAX_SPECULATIVE_TOKENS
 class InvalidRequest(ValueError):
     """A request that could never run; ``param`` names the field at fault."""
 
-    def __init__(engine, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
-        engine.param = param
+        self.param = param
 
 
 def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-    """Raise InvalidRequest for a request that could never run here ("never", not
-    "not now"). Every entry point (engine, LLM, server) checks through this one method."""
+    """Raise InvalidRequest for a request that could never run on ``engine``."""
     max_tokens = params.max_tokens
     if not prompt_token_ids:
         raise InvalidRequest("the prompt is empty", "prompt")
