@@ -123,6 +123,14 @@ class KVStore(abc.ABC):
     def gather(self, plane: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the rows at ``slots`` as contiguous ``[1, kv_heads, len(slots), head_dim]``."""
 
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the rows at slots ``src`` to slots ``dst`` (``[N]`` each) in every plane: a
+        request forked from another's computed prompt (n > 1) gets its own copy of the
+        partial last page. Through :meth:`gather` and :meth:`write`, in stream order."""
+        for plane in range(self.layout.num_planes):
+            k, v = self.gather(plane, src)
+            self.write(plane, k[0].transpose(0, 1), v[0].transpose(0, 1), dst)
+
 
 class AttentionBackend(abc.ABC):
     """Attention over the paged cache for every request of a step."""

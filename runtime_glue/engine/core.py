@@ -25,21 +25,28 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 import attrs
-import torch
 
 from hal.graphs import StepGraphs
 from hal.interfaces import Device
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
-from runtime_glue.engine.graphs import Replayed, StepGraphRunner, packed_of, picks_of
+from runtime_glue.engine.graphs import Replayed, StepGraphRunner
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, RequestOutput, Status
-from runtime_glue.engine.sampling import SamplingParams, sample
+from runtime_glue.engine.sampler import Sampled, Sampler
+from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.scheduler import EngineConfig, Scheduler
 from runtime_glue.engine.shared_blocks import SharedBlocks
 from runtime_glue.engine.speculative import SpeculativeConfig, Speculator
 from runtime_glue.engine.step import HostStep, StepBuilder
+from runtime_glue.engine.structured import (
+    CompiledGrammar,
+    GrammarCompiler,
+    StructuredOutputError,
+    parse_structured,
+)
 from runtime_glue.engine.validation import InvalidRequest as InvalidRequest
 from runtime_glue.engine.validation import check_request
 from runtime_glue.ouro.exits import ExitMode
@@ -47,18 +54,6 @@ from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import Admission
 
 logger = logging.getLogger(__name__)
-
-
-@attrs.frozen(eq=False)
-class Sampled:
-    """A step's choices on the host: a token and exit loop per sampled row, the logits when
-    someone needs them, and each sampled row's states (and gates) on the device."""
-
-    tokens: list[int]
-    exit_steps: list[int]
-    logits: torch.Tensor | None
-    states: torch.Tensor  # [T, R, H]
-    gates: torch.Tensor | None
 
 
 class Engine:
@@ -75,13 +70,15 @@ class Engine:
         step_graphs: StepGraphs | None = None,
         shared_blocks: SharedBlocks | None = None,
         speculative: SpeculativeConfig | None = None,
+        grammars: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         """``prefix_salt``: what besides the tokens decides a block's K/V (the checkpoint, the
         execution plan); prefix-cache hashes start from it, so engines sharing one allocator
         under other plans never share a block. ``step_graphs``: capture decode-only steps
         and replay them (``runtime_glue.engine.graphs``). ``shared_blocks``: the generated
         blocks under kv sharing (made here from ``allocator`` when not given).
-        ``speculative``: draft with the first loops."""
+        ``speculative``: draft with the first loops. ``grammars``: makes the structured-output
+        compiler, on first use (``runtime_glue.engine.structured``)."""
         self.model = model
         self.prefix_salt = prefix_salt
         self.device = device
@@ -104,9 +101,11 @@ class Engine:
             "preemptions": 0,
             "prefix_cache_queries": 0,  # prompt tokens looked up in the prefix cache
             "prefix_cache_hits": 0,  # of those, tokens found there
+            "forked": 0,  # requests started on another's computed prompt (n > 1)
         }
         self.speculator = self._speculator(speculative)
         self.scheduler = Scheduler(config, allocator, shared, self.speculator, self.stats)
+        self.scheduler.device = device.torch_device
         early = None if speculative is None else speculative.loops
         self.builder = StepBuilder(
             model.cfg, allocator.block_size, allocator.num_blocks, shared is not None, early
@@ -116,6 +115,10 @@ class Engine:
         if step_graphs is not None:
             self._start_graphs(step_graphs, speculative)
         self.reserved_blocks: list[int] = self.graphs.scratch if self.graphs is not None else []
+        self.sampler = Sampler(device, self.eos_token_ids, tokenizer)
+        self.followers: dict[str, list[Request]] = {}  # n > 1: leader id -> who waits on it
+        self._grammars = grammars
+        self._compiler: GrammarCompiler | None = None
 
     def _speculator(self, speculative: SpeculativeConfig | None) -> Speculator | None:
         if speculative is None:
@@ -178,7 +181,11 @@ class Engine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         return_logits: bool = False,
+        follows: str | None = None,
     ) -> None:
+        """Queue a request. ``follows``: the id of a live request with the same prompt (n > 1):
+        this one waits for that prompt's K/V, then shares its pages (``Scheduler.fork``) and
+        chooses its first token from the same logits with its own seed."""
         params = sampling_params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
@@ -198,8 +205,34 @@ class Engine:
             salt = self.prefix_salt + b"|" + (params.cache_salt or "").encode()
             req.block_hashes = self.allocator.block_hashes(req.prompt_ids, salt)
         req.exit_mode = ExitMode.of(params, self.model.plan.exit_defaults)
+        compiled = self.grammar(params)
+        if compiled is not None:
+            assert self._compiler is not None
+            req.matcher = self._compiler.matcher(compiled)
         self.requests[request_id] = req
-        self.scheduler.waiting.append(req)
+        leader = self.requests.get(follows) if follows is not None else None
+        if leader is not None and leader.prompt_ids == req.prompt_ids and leader.in_prefill:
+            req.follows = follows
+            self.followers.setdefault(leader.request_id, []).append(req)
+        else:
+            self.scheduler.waiting.append(req)
+
+    def grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The compiled grammar of ``params.structured_outputs`` (cached by spec), or None;
+        an invalid one raises InvalidRequest naming the field."""
+        if params.structured_outputs is None:
+            return None
+        if self._compiler is None:
+            if self._grammars is None:
+                raise InvalidRequest(
+                    "structured outputs need the engine's tokenizer (build it with LLM)",
+                    "structured_outputs",
+                )
+            self._compiler = self._grammars()
+        try:
+            return self._compiler.compile(parse_structured(dict(params.structured_outputs)))
+        except StructuredOutputError as exc:
+            raise InvalidRequest(str(exc), exc.param) from None
 
     def abort_request(self, request_id: str) -> bool:
         """End a live request in any state and free its pages; False if it is not live."""
@@ -227,7 +260,14 @@ class Engine:
         return self.allocator.num_free
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        self.scheduler.remove(req)
+        waiting = self.followers.get(req.follows or "", [])
+        if req in waiting:  # it waited on a leader: in no queue, holding no page
+            waiting.remove(req)
+        else:
+            self.scheduler.remove(req)
+        for follower in self.followers.pop(req.request_id, []):  # a leader gone too early
+            follower.follows = None
+            self.scheduler.waiting.append(follower)
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
         self.requests.pop(req.request_id, None)
 
@@ -243,7 +283,8 @@ class Engine:
             host = self.builder.build(plan)
             result = self._run(host)
             fence = self.device.record_fence()
-            sampled = self._sample(result, host)
+            leads = any(s.req.request_id in self.followers for s in plan)
+            sampled = self.sampler.sample(result, host, force_logits=leads)
         except Exception as exc:  # a failed step fails its requests, not the engine
             logger.exception("step %d failed", self.num_steps)
             self.device.synchronize()  # nothing of the step may still be using its pages
@@ -255,9 +296,13 @@ class Engine:
         outputs = []
         for s, mine in zip(plan, host.rows_of, strict=True):
             s.req.last_fence = fence
-            rows = self._apply(s, mine, sampled, fence)
+            rows = self._apply(s, mine, sampled, fence, host)
             if rows:
                 outputs.append(self._emit(s.req, rows, sampled))
+            elif s.req.finished:  # max_tokens 0: its prompt scored, nothing generated
+                outputs.append(self._output(s.req, ()))
+            if s.entry is None and not s.req.in_prefill and s.req.request_id in self.followers:
+                outputs += self._fork(s.req, rows[-1] if rows else mine[-1], sampled, fence)
         if self.speculator is not None:
             self.stats.update(self.speculator.stats)
         return outputs
@@ -271,13 +316,22 @@ class Engine:
         out = self.model.forward(host.inputs(self.device.torch_device, self.device.pin_memory))
         return Replayed(out, None, None)
 
-    def _apply(self, s, mine: list[int], sampled: Sampled, fence) -> list[int]:
+    def _apply(self, s, mine: list[int], sampled: Sampled, fence, host: HostStep) -> list[int]:
         """What one request's rows computed; the sampled rows whose tokens it emits."""
         req = s.req
         if s.entry is None:
+            start = req.num_computed
             req.num_computed += s.n
             self.scheduler.register_prompt_blocks(req)
-            return mine
+            if req.params.prompt_logprobs is not None:
+                self._score_prompt(req, start, mine, sampled, host)
+            if req.num_computed < req.num_tokens or not mine:
+                return []
+            if req.params.max_tokens == 0:  # only the prompt's log-probabilities were asked
+                self._finish(req, "length")
+                self.stats["finished"] += 1
+                return []
+            return mine[-1:]
         assert self.speculator is not None
         E = self.speculator.config.loops
         if s.entry.kind == "draft":
@@ -293,25 +347,38 @@ class Engine:
             req.blocks = req.blocks[:keep]
         return mine[: len(accepted)]
 
-    def _sample(self, result: Replayed, host: HostStep) -> Sampled:
-        """The step's tokens and exit loops, with the step's one device-to-host transfer: the
-        greedy picks (argmax on the device) when that is all the step needs, else the logits
-        (float32), sampled on the host by each request's seed and the token's position."""
-        out, reqs = result.out, host.sampled
-        states, gates = out.states, out.gates
-        if host.groups["draft"] and host.early is not None:  # what draft rows keep, before a
-            states = states[: host.early].clone()  # replay overwrites it
-            gates = None if gates is None else gates[: host.early].clone()
-        if not any(r.return_logits or not r.params.greedy for r in reqs):
-            picks = result.picks if result.picks is not None else picks_of(out)
-            both = self.device.to_host(picks).tolist()
-            return Sampled(both[0], both[1], None, states, gates)
-        packed = result.packed if result.packed is not None else packed_of(out)
-        packed = self.device.to_host(packed)
-        logits, steps = packed[:, :-1], [int(s) for s in packed[:, -1].tolist()]
-        positions = host.token_positions
-        tokens = [sample(logits[i], r.params, r.seed, positions[i]) for i, r in enumerate(reqs)]
-        return Sampled(tokens, steps, logits, states, gates)
+    def _score_prompt(self, req: Request, start: int, mine, sampled: Sampled, host) -> None:
+        """Each prompt row's log-probabilities of the prompt token after it (prompt position
+        0 has none: None), once per position, whatever chunks or recomputation ran them."""
+        assert sampled.logits is not None
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)
+        top = req.params.prompt_logprobs or 0
+        for j in mine:
+            p = host.positions[host.sample_rows[j]]  # this row predicts position p + 1
+            if p + 1 < len(req.prompt_ids) and p + 1 == len(req.prompt_logprobs):
+                token = req.prompt_ids[p + 1]
+                req.prompt_logprobs.append(self.sampler.logprobs(sampled.logits[j], token, top))
+
+    def _fork(self, leader: Request, row: int, sampled: Sampled, fence) -> list[RequestOutput]:
+        """``leader``'s prompt is computed: each request following it shares its pages and
+        takes its first token from the same logits row (with its own seed and history)."""
+        outputs = []
+        assert sampled.logits is not None
+        position = len(leader.prompt_ids)
+        for req in self.followers.pop(leader.request_id, []):
+            req.follows = None
+            if not self.scheduler.fork(req, leader, self.model.kv.copy):
+                self.scheduler.waiting.append(req)  # no page now: computed as any request
+                continue
+            req.last_fence = fence
+            self.stats["forked"] += 1
+            token = self.sampler.choose(sampled.logits[row], req, (), position)
+            if req.params.prompt_logprobs is not None:
+                req.prompt_logprobs = list(leader.prompt_logprobs)
+            alone = attrs.evolve(sampled, tokens=[token] * len(sampled.tokens))
+            outputs.append(self._emit(req, [row], alone))
+        return outputs
 
     def _emit(self, req: Request, rows: list[int], sampled: Sampled):
         """Append the tokens of ``rows`` to ``req``'s output until it finishes."""
@@ -321,6 +388,13 @@ class Engine:
             if req.return_logits:
                 assert sampled.logits is not None
                 req.logits.append(sampled.logits[j].clone())
+            if req.params.logprobs is not None:
+                assert sampled.logits is not None
+                req.logprobs.append(
+                    self.sampler.logprobs(sampled.logits[j], token, req.params.logprobs)
+                )
+            if req.matcher is not None:
+                req.matcher.accept(token)
             req.output_ids.append(token)
             req.exit_steps.append(sampled.exit_steps[j])
             if req.first_token_time is None:
@@ -335,7 +409,8 @@ class Engine:
     def _check_stop(self, req: Request, token: int) -> None:
         params, detok = req.params, req.detokenizer
         cut = detok.add(token) if detok is not None else None
-        if token in self.eos_token_ids and not params.ignore_eos or cut is not None:
+        stops = token in params.stop_ids(self.eos_token_ids)
+        if (stops or cut is not None) and len(req.output_ids) >= params.min_tokens:
             self._finish(req, "stop")
         elif len(req.output_ids) >= params.max_tokens:
             self._finish(req, "length")
@@ -359,4 +434,6 @@ class Engine:
             req.arrival_time,
             req.first_token_time,
             tuple(req.exit_steps),
+            tuple(req.logprobs) if req.params.logprobs is not None else None,
+            tuple(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
         )

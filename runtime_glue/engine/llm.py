@@ -54,6 +54,11 @@ class CompletionOutput:
     finish_reason: str | None
     logits: torch.Tensor | None = None  # float32 [generated, vocab], the chosen loop's logits
     exit_steps: tuple[int, ...] = ()  # the loop each generated token's logits came from
+    # SamplingParams(logprobs=N): per generated token, token id -> Logprob (vLLM's shape);
+    # prompt_logprobs=N: per prompt position, the first None.
+    logprobs: tuple[dict, ...] | None = None
+    prompt_logprobs: tuple[dict | None, ...] | None = None
+    index: int = 0  # which of the prompt's n samples
 
 
 def pool_blocks(
@@ -202,6 +207,7 @@ class LLM:
             step_graphs=graphs,
             shared_blocks=self.shared_blocks,
             speculative=self.speculative,
+            grammars=self._grammar_compiler,
         )
         if self.engine.graph_admission is not None:  # the graphs' check on this device
             plan = attrs.evolve(plan, admissions=(*plan.admissions, self.engine.graph_admission))
@@ -248,6 +254,14 @@ class LLM:
         other._build(self.plan)
         return other
 
+    def _grammar_compiler(self):
+        """The structured-output compiler, with a tokenizer of its own (the engine thread
+        decodes with ``self.tokenizer``; a fast tokenizer is not to be shared across threads)."""
+        from runtime_glue.engine.structured import GrammarCompiler
+
+        tokenizer = load_tokenizer(self.model_dir)
+        return GrammarCompiler(tokenizer, self.config.vocab_size, self.config.eos_token_ids)
+
     @property
     def mode(self) -> str:
         """The contract kept: "deterministic", "hf-exact", or "fast" (neither)."""
@@ -284,7 +298,8 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         return_logits: bool = False,
     ) -> list[CompletionOutput]:
-        """Run every prompt through the engine together; one output per prompt, in order."""
+        """Run every prompt through the engine together: one output per prompt, in order, or
+        with ``SamplingParams(n=N)`` N per prompt (prompt-major, each with its ``index``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -296,31 +311,47 @@ class LLM:
                 self.engine.validate(ids, params)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"prompt {i}: {exc}", exc.param) from None
-        ids_by_request = {}
+        reqs = {}
         for ids in encoded:
-            rid = f"llm-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, ids, params, return_logits)
-            ids_by_request[rid] = ids
-        reqs = {rid: self.engine.requests[rid] for rid in ids_by_request}
+            leader = None
+            for j, child in enumerate(_samples(params)):
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, ids, child, return_logits, follows=leader)
+                reqs[rid] = (self.engine.requests[rid], ids, j)
+                leader = leader or rid
         while self.engine.has_unfinished():
             self.engine.step()
         outputs = []
-        for rid, req in reqs.items():
+        for rid, (req, ids, j) in reqs.items():
             if req.finish_reason == "error":
                 raise RuntimeError(f"request {rid} failed: {req.error}")
-            logits = torch.stack(req.logits) if return_logits else None
+            logits = torch.stack(req.logits) if return_logits and req.logits else None
             outputs.append(
                 CompletionOutput(
-                    tuple(ids_by_request[rid]),
+                    tuple(ids),
                     tuple(req.output_ids),
                     req.text,
                     req.finish_reason,
                     logits,
                     tuple(req.exit_steps),
+                    None if params.logprobs is None else tuple(req.logprobs),
+                    None if params.prompt_logprobs is None else tuple(req.prompt_logprobs),
+                    j,
                 )
             )
         return outputs
+
+
+def _samples(params: SamplingParams) -> list[SamplingParams]:
+    """The ``n`` requests of one prompt: sample j with seed ``seed + j`` (vLLM's rule), one
+    output each; every one after the first shares the first's prompt K/V (``follows``)."""
+    if params.n == 1:
+        return [params]
+    seed = params.seed
+    return [
+        attrs.evolve(params, n=1, seed=None if seed is None else seed + j) for j in range(params.n)
+    ]
 
 
 def build_llm(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import attrs
 import torch
@@ -54,6 +55,10 @@ class Request:
     exit_mode: ExitMode = attrs.field(factory=ExitMode)
     exit_steps: list[int] = attrs.field(factory=list)  # the loop each output token came from
     spec: SpecRound | None = None  # a speculative round in progress (engine.speculative)
+    logprobs: list[dict] = attrs.field(factory=list)  # per output token: id -> Logprob
+    prompt_logprobs: list[dict | None] = attrs.field(factory=list)  # per prompt position
+    follows: str | None = None  # n > 1: the request whose prompt KV this one will share
+    matcher: Any = None  # structured outputs: the grammar's state (engine.structured)
     last_fence: Fence | None = None  # of the last step that read this request's pages
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -93,3 +98,5 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     exit_steps: tuple[int, ...] = ()
+    logprobs: tuple[dict, ...] | None = None  # per output token so far: id -> Logprob
+    prompt_logprobs: tuple[dict | None, ...] | None = None  # per prompt position (first: None)

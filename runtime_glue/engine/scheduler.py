@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 import attrs
+import torch
 
 from hal.shared_kv import check_kv_sharing, prompt_blocks
 from runtime_glue.engine.kv_manager import BlockAllocator
@@ -61,6 +62,7 @@ class Scheduler:
         self.stats = stats  # the engine's counters: preemptions, prefix-cache queries and hits
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.device = torch.device("cpu")  # where slot indices for KV copies live (the engine's)
 
     def schedule(self) -> list[Scheduled]:
         """The next step's plan, in row order; [] when nothing can run now."""
@@ -195,8 +197,9 @@ class Scheduler:
         preempted): cached ones shared, the others fresh. False if they cannot be had now, or
         only by leaving less than a page for each running request to grow into."""
         cached: list[int] = []
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and req.params.prompt_logprobs is None:
             # The last prompt token is always computed: its logits give the first new token.
+            # (A request scoring its prompt computes every position: a hit has no logits.)
             usable = (len(req.prompt_ids) - 1) // self.allocator.block_size
             cached = self.allocator.cached_prefix(req.block_hashes[:usable])
             self.stats["prefix_cache_queries"] += usable * self.allocator.block_size
@@ -219,6 +222,30 @@ class Scheduler:
         req.blocks, req.gen_blocks = cached + fresh, gen
         req.num_computed = req.registered = len(cached) * self.allocator.block_size
         self.stats["prefix_cache_hits"] += req.num_computed
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return True
+
+    def fork(self, req: Request, leader: Request, copy) -> bool:
+        """Start ``req`` (the same prompt, n > 1) on ``leader``'s computed prompt: its full
+        pages shared, read-only and counted; its partial last page copied into a fresh one
+        (``copy(src_slots, dst_slots)``, every plane). False when no page or no running slot
+        can be had now (``req`` is then computed as any request)."""
+        bs, n = self.allocator.block_size, leader.num_computed
+        full, partial = divmod(n, bs)
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        fresh = self.allocator.allocate(1) if partial else []
+        if fresh is None:
+            return False
+        shared = leader.blocks[:full]
+        self.allocator.share(shared)
+        if partial:
+            src = leader.blocks[full] * bs + torch.arange(partial)
+            copy(src.to(self.device), fresh[0] * bs + torch.arange(partial).to(self.device))
+        req.blocks, req.gen_blocks = shared + fresh, []
+        req.num_computed = n
+        req.registered = min(leader.registered, full * bs)
         req.status = Status.RUNNING
         self.running.append(req)
         return True

@@ -50,10 +50,12 @@ class Scheduled:
 
     def samples(self) -> tuple[int, ...]:
         """Which of its rows are sampled (offsets): the last of a chunk that completes its
-        tokens; every draft and verify row (a draft row's state is kept even when its
-        token is not wanted)."""
+        tokens; every prompt row when the request wants prompt log-probabilities; every draft
+        and verify row (a draft row's state is kept even when its token is not wanted)."""
         if self.entry is not None:
             return tuple(range(self.n))
+        if self.req.in_prefill and self.req.params.prompt_logprobs is not None:
+            return tuple(range(self.n))  # each prompt row's logits score the next prompt token
         return (self.n - 1,) if self.req.num_computed + self.n == self.req.num_tokens else ()
 
 
@@ -76,6 +78,7 @@ class HostStep:
     early: int | None  # E when some request drafts or verifies
     kept_states: list[torch.Tensor]  # [E, H] per verify row (device)
     kept_gates: list[torch.Tensor | None]
+    drafted: list[tuple[int, ...]]  # per sampled row: its round's drafts before its position
 
     @property
     def num_rows(self) -> int:
@@ -197,6 +200,7 @@ class StepBuilder:
         modes: list[ExitMode] = []
         kept_states: list[torch.Tensor] = []
         kept_gates: list[torch.Tensor | None] = []
+        drafted: list[tuple[int, ...]] = []
         for s in plan:
             req, ctx, start = s.req, s.ctx, len(ids)
             ids += req.tokens(ctx, ctx + s.n) if s.entry is None else list(s.entry.ids)
@@ -213,6 +217,7 @@ class StepBuilder:
             if s.kind == "draft" and self.early is not None:  # a draft is loop E-1's choice
                 mode = ExitMode(step=self.early - 1)
             modes += [mode] * len(mine)
+            drafted += [self._drafted(s, i) for i in s.samples()]
             if s.kind == "verify":
                 assert req.spec is not None
                 kept_states += req.spec.states
@@ -233,7 +238,16 @@ class StepBuilder:
             self.early if speculative else None,
             kept_states,
             kept_gates,
+            drafted,
         )
+
+    @staticmethod
+    def _drafted(s: Scheduled, row: int) -> tuple[int, ...]:
+        """The drafts before row ``row`` of ``s`` (its history beyond the request's output)."""
+        spec = s.req.spec
+        if s.entry is None or spec is None:
+            return ()
+        return tuple(spec.drafts) if s.kind == "draft" else tuple(spec.drafts[:row])
 
     def _entry(self, req: Request, n: int, ctx: int) -> tuple:
         if not self.sharing:

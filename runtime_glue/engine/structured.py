@@ -321,6 +321,14 @@ class Matcher:
         blocked = torch.from_numpy(np.logical_not(self._fill(), out=self._blocked))
         logits.masked_fill_(blocked.to(logits.device), float("-inf"))
 
+    def allowed_after(self, drafted: Sequence[int]) -> torch.Tensor:
+        """The mask after ``drafted``, tokens taken ahead of the accepted ones (a speculative
+        round's drafts before a draft or verify row), the matcher left as it was."""
+        if not drafted:
+            return self.allowed()
+        masks, _ = self.draft_masks(drafted)
+        return masks[-1]
+
     def draft_masks(
         self, drafts: Sequence[int], out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int]:

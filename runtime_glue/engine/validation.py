@@ -36,6 +36,8 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
         )
     if params.num_speculative_tokens:
         _check_speculation(engine, params.num_speculative_tokens)
+    if params.structured_outputs is not None:
+        engine.grammar(params)  # an invalid schema, regex or grammar is refused before compute
     vocab = engine.model.cfg.vocab_size
     bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
     if bad:
