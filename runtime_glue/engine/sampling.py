@@ -32,11 +32,14 @@ exit loop's logits (the full depth's under speculation).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from runtime_glue.engine.structured import StructuredSpec
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 
@@ -44,6 +47,10 @@ MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 def _non_negative(_, attribute, value):
     if value is not None and value < 0:
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _ids(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(t) for t in value)
 
 
 def _bias(value) -> dict[int, float]:
@@ -80,12 +87,13 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = attrs.field(factory=dict, converter=_bias)
     min_tokens: int = 0
     min_p: float = 0.0
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ids)
     logprobs: int | None = None  # top tokens with each generated token's log-probability
     prompt_logprobs: int | None = None  # the same for every prompt token (the first: None)
     # Structured outputs (runtime_glue.engine.structured): vLLM's dict, exactly one of
-    # {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}.
-    structured_outputs: Mapping[str, Any] | None = None
+    # {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}; or a parsed
+    # StructuredSpec (the server's, from response_format, keeps its ``strict``).
+    structured_outputs: Mapping[str, Any] | StructuredSpec | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

@@ -1,8 +1,9 @@
 """Requests that could never run: refused before they are queued ("never", not "not now").
 
 :func:`check_request` is what ``Engine.validate`` runs for every entry point (engine, ``LLM``,
-server): the prompt, the exit loop, speculation, the vocabulary, the model's length, the pool
-(under kv sharing: prompt and generated blocks) and full prefill's budget.
+server): the prompt, the exit loop, speculation, the structured-output grammar, the token ids
+a request names (prompt, ``logit_bias``, ``stop_token_ids``) against the vocabulary, the model's
+length, the pool (under kv sharing: prompt and generated blocks) and full prefill's budget.
 """
 
 from __future__ import annotations
@@ -39,12 +40,18 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
     if params.structured_outputs is not None:
         engine.grammar(params)  # an invalid schema, regex or grammar is refused before compute
     vocab = engine.model.cfg.vocab_size
-    bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
-    if bad:
-        raise InvalidRequest(
-            f"token ids {bad[:5]} are outside the vocabulary; they must be in [0, {vocab})",
-            "prompt",
-        )
+    for name, ids in (
+        ("prompt", prompt_token_ids),
+        ("logit_bias", params.logit_bias),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            what = "token ids" if name == "prompt" else f"{name} token ids"
+            raise InvalidRequest(
+                f"{what} {bad[:5]} are outside the vocabulary; they must be in [0, {vocab})",
+                name,
+            )
     n = len(prompt_token_ids)
     need = n + max_tokens
     if need > engine.max_model_len:

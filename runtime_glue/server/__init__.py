@@ -8,3 +8,7 @@ May import: ``hal``, ``runtime_glue.ouro`` and ``runtime_glue.engine`` (an engin
 """
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # a 65536-token prompt as JSON is under 1 MiB
+# Between the tokens of a JSON output whose request chose no whitespace (response_format, or
+# structured_outputs without disable_any_whitespace / whitespace_pattern): room for indented
+# JSON, while a model (a random one, a small one) cannot spend its tokens on whitespace.
+DEFAULT_JSON_WHITESPACE = r"[ \t\n\r]{0,8}"

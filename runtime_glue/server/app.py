@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import logging
 import signal
 import socket
 import sys
@@ -15,35 +16,35 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import attrs
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import InvalidRequest
 from runtime_glue.engine.llm import build_llm
 from runtime_glue.engine.request import RequestOutput
-from runtime_glue.server import DEFAULT_MAX_REQUEST_BYTES
+from runtime_glue.engine.structured import StructuredOutputError, StructuredSpec
+from runtime_glue.server import DEFAULT_JSON_WHITESPACE, DEFAULT_MAX_REQUEST_BYTES
 from runtime_glue.server.args import ServerArgs
 from runtime_glue.server.engine_loop import EngineFailed, EngineLoop
+from runtime_glue.server.http import BodyLimit, install_error_handlers
 from runtime_glue.server.messages import MessageError, template_messages
 from runtime_glue.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     UnsupportedValue,
-    error_body,
 )
-from runtime_glue.server.routes import Choice, chat_response, completion_response, plan_choices
+from runtime_glue.server.render import Choice, Render
+from runtime_glue.server.routes import plan_choices, respond
 from runtime_glue.server.tokenizer_api import install_tokenizer_routes
 from runtime_glue.server.tokenizing import Tokenizing
+from runtime_glue.server.tools import ToolError, ToolPlan, plan_tools, renders_tools
 
-
-def _json_error(status, message, type_="invalid_request_error", param=None, code=None):
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+logger = logging.getLogger(__name__)
 
 
 class Server:
@@ -58,6 +59,7 @@ class Server:
             default_max_tokens=options.default_max_tokens,
             max_request_bytes=options.max_request_bytes,
             shutdown_timeout=options.shutdown_timeout,
+            json_whitespace=None if options.json_whitespace == "any" else options.json_whitespace,
         )
 
     def __init__(
@@ -68,9 +70,12 @@ class Server:
         default_max_tokens: int = 16,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         shutdown_timeout: float = 10.0,
+        json_whitespace: str | None = DEFAULT_JSON_WHITESPACE,
     ) -> None:
         self.llm = llm
         self.tokenizing = Tokenizing(llm.model_dir)  # off the event loop, bounded
+        self.renders_tools = renders_tools(self.tokenizing.tokenizer.chat_template)
+        self.json_whitespace = json_whitespace
         self.shutdown_timeout = shutdown_timeout
         self.model_name = served_model_name
         self.api_key = api_key
@@ -105,18 +110,47 @@ class Server:
                 code="model_not_found",
             )
 
-    def prepare(self, body, prompts: list[list[int]]) -> list[Choice]:
-        """The request's choices, every prompt validated before any runs."""
+    async def prepare(
+        self, body, prompts: list[list[int]], tools: ToolPlan | None = None
+    ) -> list[Choice]:
+        """The request's choices, every prompt validated (a grammar compiled) before any runs."""
         self.loop.check()  # a dead engine answers 503 before a response (or stream) begins
         if self.loop.draining:
             raise ApiError(503, "the server is shutting down", "server_error")
         try:
             body.check_supported()
-            params = body.sampling_params(self.default_max_tokens)
-        except UnsupportedValue as exc:
+            spec = self._structured(body, tools)
+            params = body.sampling_params(self.default_max_tokens, spec)
+        except (UnsupportedValue, StructuredOutputError) as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
+        except ValueError as exc:  # SamplingParams' checks begin with the field's name
+            name = str(exc).split(" ", 1)[0]
+            param = name if name in type(body).model_fields else None
+            raise ApiError(400, str(exc), param=param) from None
+        if spec is None:
+            self._validate(body, prompts, params)
+        else:  # compiling a grammar takes a while: off the event loop
+            await asyncio.to_thread(self._validate, body, prompts, params)
+        return plan_choices(prompts, params, body.n)
+
+    def _structured(self, body, tools: ToolPlan | None) -> StructuredSpec | None:
+        """The request's structured-output spec: a tool call's schema, or the one its
+        ``response_format`` / ``structured_outputs`` asks for, JSON with the server's
+        whitespace unless the request chose."""
+        spec = body.structured()
+        if tools is not None and (forced := tools.spec()) is not None:
+            if spec is not None:
+                raise UnsupportedValue(
+                    "tool_choice",
+                    f"tool_choice {tools.mode!r} is enforced with a schema of its own; it "
+                    "cannot be combined with response_format or structured_outputs",
+                )
+            return forced
+        if spec is not None and spec.kind == "json" and spec.whitespace is None:
+            spec = attrs.evolve(spec, whitespace=self.json_whitespace)
+        return spec
+
+    def _validate(self, body, prompts: list[list[int]], params) -> None:
         batched = isinstance(body, CompletionRequest) and body.batched
         for i, ids in enumerate(prompts):
             try:
@@ -126,17 +160,42 @@ class Server:
                     raise ApiError(400, str(exc), param=exc.param) from None
                 param = f"prompt[{i}]" if exc.param == "prompt" else exc.param
                 raise ApiError(400, f"prompt[{i}]: {exc}", param=param) from None
-        return plan_choices(prompts, params, body.n)
 
-    async def prompts(self, body) -> list[list[int]]:
+    def tool_plan(self, body) -> ToolPlan | None:
+        """A chat request's tools and tool_choice, checked against each other and the template."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        try:
+            return plan_tools(
+                body.tools, body.tool_choice, body.parallel_tool_calls, self.renders_tools
+            )
+        except ToolError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+
+    async def prompts(self, body, tools: ToolPlan | None = None) -> list[list[int]]:
         """The request's prompts as token ids, tokenized (and templated) on pool threads."""
         if isinstance(body, ChatCompletionRequest):
             try:
                 messages = template_messages(body.messages)
             except MessageError as exc:
                 raise ApiError(400, str(exc), param=exc.param) from None
-            return [await self.chat_ids(messages)]
+            kwargs = tools.template_kwargs() if tools is not None else {}
+            return [await self.chat_ids(messages, **kwargs)]
         return list(await asyncio.gather(*(self.encode(p) for p in body.prompts())))
+
+    async def prompt_texts(self, body, prompts: list[list[int]]) -> list[str] | None:
+        """Each prompt as text, for ``echo`` (a token-id prompt decoded)."""
+        if isinstance(body, ChatCompletionRequest) or not body.echo:
+            return None
+        texts = []
+        for given, ids in zip(body.prompts(), prompts, strict=True):
+            if not isinstance(given, str):
+                given = await self.tokenizing.run(len(ids), _decoder(ids))
+            texts.append(given)
+        return texts
+
+    def decode_one(self, token: int) -> str:
+        return self.tokenizing.tokenizer.decode([token])
 
     async def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         if not isinstance(prompt, str):
@@ -157,6 +216,13 @@ class Server:
                 400, f"the chat template failed on these messages: {exc}", param="messages"
             ) from None
 
+    def prewarm(self) -> None:
+        """What the first request would otherwise wait for: the grammar engine's token table."""
+        try:
+            self.llm.engine.prewarm_grammars()
+        except Exception as exc:  # noqa: BLE001 - the first structured request will say why
+            logger.warning("structured outputs not prewarmed: %s", exc)
+
     def begin_shutdown(self) -> None:
         """SIGINT/SIGTERM: admit nothing more; what runs gets ``shutdown_timeout`` seconds,
         then a 503 (``EngineLoop.drain``)."""
@@ -164,11 +230,12 @@ class Server:
 
     # -- running a request -----------------------------------------------------------------
 
-    async def outputs(
-        self, rid: str, ids: list[int], params, request: Request
-    ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one request; aborts it if the client goes away."""
-        sink = self.loop.submit(rid, ids, params)
+    def submit(self, rid: str, ids: list[int], params, follows: str | None = None):
+        """Queue one engine request (``follows``: see ``EngineLoop.submit``); its sink."""
+        return self.loop.submit(rid, ids, params, follows)
+
+    async def outputs(self, rid: str, sink, request: Request) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one submitted request; aborts it if the client goes away."""
         finished = False
         try:
             while True:
@@ -194,6 +261,10 @@ class Server:
                 self.loop.abort(rid)
 
 
+def _decoder(ids: list[int]):
+    return lambda tokenizer: tokenizer.decode(ids)
+
+
 def _chat_ids(tokenizer, messages: list[dict], add_special_tokens=False, **kwargs) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -202,95 +273,17 @@ def _chat_ids(tokenizer, messages: list[dict], add_special_tokens=False, **kwarg
 def build_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await asyncio.to_thread(server.prewarm)
         server.loop.start()
         yield
         server.loop.stop()
         server.tokenizing.shutdown()
 
     app = FastAPI(title="rlt-hal", version="0.1.0", lifespan=lifespan)
-    _install_error_handlers(app)
+    install_error_handlers(app)
     _install_routes(app, server)
     app.add_middleware(BodyLimit, max_bytes=server.max_request_bytes)
     return app
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is answered with an OpenAI-shaped
-    413 before anything buffers it. A declared Content-Length is checked up front; a body sent
-    without one is read up to the limit, then handed on as it was."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:
-            if int(declared) > self.max_bytes:
-                return await self._refuse(scope, receive, send)
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message]), send)
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return await self._refuse(scope, receive, send)
-            chunks.append(message)
-            if not message.get("more_body"):
-                return await self.app(scope, _replay(chunks), send)
-
-    async def _refuse(self, scope, receive, send) -> None:
-        message = f"the request body exceeds {self.max_bytes} bytes (--max-request-bytes)"
-        body = error_body(message, "invalid_request_error", None, "request_too_large")
-        await JSONResponse(body, status_code=413)(scope, receive, send)
-
-
-def _replay(messages):
-    pending = list(messages)
-
-    async def receive():
-        return pending.pop(0) if pending else {"type": "http.disconnect"}
-
-    return receive
-
-
-_UNION_BRANCHES = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def _param(loc) -> str:
-    """A pydantic error location as the field's name in the request: ``messages[0].content``
-    (``body`` and the names pydantic gives a union's branches left out)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part != "body" and "[" not in part and part not in _UNION_BRANCHES:
-            out += f".{part}" if out else part
-    return out
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def _api_error(_request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_request, exc: RequestValidationError):
-        err = exc.errors()[0]
-        param = _param(err.get("loc", ()))
-        if err.get("type") == "json_invalid":
-            return _json_error(400, "the request body is not valid JSON")
-        if err.get("type") == "extra_forbidden":
-            return _json_error(400, f"unknown field {param!r} is not supported", param=param)
-        return _json_error(400, f"{param or 'body'}: {err.get('msg')}", param=param or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _json_error(exc.status_code, str(exc.detail), kind)
 
 
 def _install_routes(app: FastAPI, server: Server) -> None:
@@ -323,19 +316,24 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         server.check_model(model_id)
         return card()
 
-    async def handle(body, request: Request, respond, prefix: str):
+    async def handle(body, request: Request, prefix: str):
         server.check_auth(request)
         server.check_model(body.model)  # before any tokenizing
-        choices = server.prepare(body, await server.prompts(body))
-        return await respond(server, body, choices, request, f"{prefix}-{uuid.uuid4().hex}")
+        tools = server.tool_plan(body)
+        prompts = await server.prompts(body, tools)
+        choices = await server.prepare(body, prompts, tools)
+        chat = isinstance(body, ChatCompletionRequest)
+        texts = await server.prompt_texts(body, prompts)
+        render = Render(chat, body, server.decode_one, texts, tools)
+        return await respond(server, body, choices, request, f"{prefix}-{uuid.uuid4().hex}", render)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await handle(body, request, completion_response, "cmpl")
+        return await handle(body, request, "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await handle(body, request, chat_response, "chatcmpl")
+        return await handle(body, request, "chatcmpl")
 
     install_tokenizer_routes(app, server)
 

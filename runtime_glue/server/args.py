@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from runtime_glue.engine.args import EngineArgs, add_fields, cli_field, from_fields
-from runtime_glue.server import DEFAULT_MAX_REQUEST_BYTES
+from runtime_glue.server import DEFAULT_JSON_WHITESPACE, DEFAULT_MAX_REQUEST_BYTES
 
 RAY_OPTIONS = ("replicas", "ray_address", "ray_metrics_export_port", "cpus_per_replica")
 
@@ -38,6 +38,12 @@ class ServerArgs:
     )
     shutdown_timeout: float = cli_field(
         10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM"
+    )
+    json_whitespace: str = cli_field(
+        DEFAULT_JSON_WHITESPACE,
+        "the whitespace a structured JSON output may put between its tokens when the request "
+        "does not say (a regex; '' for none, 'any' for unbounded)",
+        metavar="REGEX",
     )
     # Replicas on Ray Serve (runtime_glue.server.replicas).
     replicas: int | None = cli_field(

@@ -63,11 +63,19 @@ class EngineLoop:
         self._deadline = time.monotonic() + timeout
         self._commands.put(("wake",))
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
-        """Queue a request; returns the asyncio queue its outputs arrive on."""
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        follows: str | None = None,
+    ):
+        """Queue a request; returns the asyncio queue its outputs arrive on. ``follows``: a
+        request submitted before with the same prompt, whose prompt pages this one shares
+        (``Engine.add_request``)."""
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", request_id, prompt_ids, params, loop, sink))
+        self._commands.put(("add", request_id, prompt_ids, params, follows, loop, sink))
         return sink
 
     def abort(self, request_id: str) -> None:
@@ -125,10 +133,10 @@ class EngineLoop:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, rid, ids, params, loop, sink = cmd
+            _, rid, ids, params, follows, loop, sink = cmd
             self._sinks[rid] = (loop, sink)
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, follows=follows)
             except ValueError as exc:
                 self._send(rid, exc)
                 return

@@ -82,6 +82,12 @@ class Metrics:
                 "ran dry",
                 registry=reg,
             ),
+            "forked": Counter(
+                "rlt_hal_forked_requests",
+                "Samples of an n > 1 request started on another's computed prompt (its KV pages "
+                "shared, not computed again)",
+                registry=reg,
+            ),
         }
         for name, help in SPEC_COUNTERS.items():
             self.engine_counters[name] = Counter(f"rlt_hal_{name}", help, registry=reg)

@@ -1,8 +1,9 @@
 """Pydantic models of the OpenAI request schema, with rlt-hal's limits made explicit.
 
 Unknown fields are refused (naming the field) rather than silently ignored, and fields that
-exist in the OpenAI API but that rlt-hal does not implement accept only their neutral value,
-with an error that says "not supported" otherwise.
+exist in the OpenAI API but that rlt-hal does not implement (``best_of``, ``suffix``) accept
+only their neutral value, with an error that says "not supported" otherwise. Values go to
+``SamplingParams``, whose checks give the 400s the pydantic ranges here do not.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import Annotated, Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.engine.sampling import MAX_LOGPROBS, SamplingParams
+from runtime_glue.engine.structured import StructuredSpec, structured_spec
 from runtime_glue.server.messages import ChatMessage
+from runtime_glue.server.tools import Tool, ToolChoice
 
 MAX_CHOICES = 1024  # choices per request (prompts x n): each is an engine request
 
@@ -53,7 +56,8 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    # 0 only with echo or prompt_logprobs: the prompt scored, nothing generated (lm-eval's).
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1
@@ -73,32 +77,65 @@ class _SamplingFields(BaseModel):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Choices per prompt: each its own engine request (sample j seeded seed + j, as vLLM).
+    # Choices per prompt: choice 0 computes the prompt, the others share its KV pages (sample j
+    # seeded seed + j, as vLLM).
     n: Annotated[int, Field(ge=1, le=128)] = 1
     user: str | None = None
-    # OpenAI fields rlt-hal does not implement: only their neutral value is accepted.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
+    # The sampling stage (runtime_glue.engine.sampling), with OpenAI's and vLLM's ranges.
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    stop_token_ids: list[int] | None = None
+    # vLLM's: the top N log-probabilities of every prompt token (the first: null).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # Structured outputs (runtime_glue.engine.structured): OpenAI's and vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {bias}")
+        return value
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise UnsupportedValue(name, f"{name} is not supported (must be 0)")
-        if self.logit_bias:
-            raise UnsupportedValue("logit_bias", "logit_bias is not supported")
-        if self.logprobs:
-            raise UnsupportedValue("logprobs", "logprobs are not supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "stream_options requires stream=true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise UnsupportedValue("stop", "stop strings must be non-empty")
+        if self.max_tokens == 0 and not self._scores_prompt():
+            raise UnsupportedValue(
+                "max_tokens", "max_tokens must be >= 1 (0 only with echo or prompt_logprobs)"
+            )
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def _scores_prompt(self) -> bool:
+        return self.prompt_logprobs is not None
+
+    def _logprobs(self) -> int | None:
+        """The engine's ``logprobs``: top N with each generated token, or None."""
+        return None
+
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def structured(self) -> StructuredSpec | None:
+        """The request's structured-output spec (``response_format`` or
+        ``structured_outputs``); raises ``StructuredOutputError`` naming the field."""
+        return structured_spec(self.response_format, self.structured_outputs)
+
+    def sampling_params(
+        self, default_max_tokens: int, structured: StructuredSpec | None = None
+    ) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens,
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
@@ -110,6 +147,16 @@ class _SamplingFields(BaseModel):
             weighted_exit=self.weighted_exit,
             cache_salt=self.cache_salt,
             num_speculative_tokens=self.num_speculative_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens,
+            min_p=self.min_p,
+            stop_token_ids=self.stop_token_ids or (),
+            logprobs=self._logprobs(),
+            prompt_logprobs=self._prompt_logprobs(),
+            structured_outputs=structured,
         )
 
     @property
@@ -131,6 +178,9 @@ class CompletionRequest(_SamplingFields):
     # OpenAI's four shapes: a string, a list of token ids (one prompt each), or a batch: a
     # list of strings or of token-id lists, one prompt per entry.
     prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's legacy logprobs: the top N (up to 20, vLLM's bound; OpenAI's is 5) per token.
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # The prompt's text first (with logprobs: its tokens' log-probabilities first too).
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -161,10 +211,23 @@ class CompletionRequest(_SamplingFields):
             return list(cast("list[str | list[int]]", self.prompt))
         return [cast("str | list[int]", self.prompt)]
 
+    def _scores_prompt(self) -> bool:
+        return self.echo or self.prompt_logprobs is not None
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
+
+    def _prompt_logprobs(self) -> int | None:
+        """Echoed logprobs come from the engine's prompt logprobs (so does echo with
+        max_tokens 0, which has nothing else to run)."""
+        if self.prompt_logprobs is not None or not self.echo:
+            return self.prompt_logprobs
+        if self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.max_tokens == 0 else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedValue("echo", "echo=true is not supported")
         if self.best_of not in (None, 1):
             raise UnsupportedValue("best_of", "best_of > 1 is not supported")
         if self.suffix:
@@ -181,12 +244,25 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _merge_max_tokens(self) -> ChatCompletionRequest:
         if self.max_completion_tokens is not None and self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs=true")
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):
