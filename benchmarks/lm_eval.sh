@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # lm-evaluation-harness's local-completions against a running `rlt-hal serve`: the tokenizer is
 # the server's (lm-eval finds /tokenizer_info and /tokenize and uses them), prompts go as
-# batched token-id lists (--batch_size), generate_until tasks score through /v1/completions.
+# batched token-id lists (--batch_size); generate_until tasks score through /v1/completions, and
+# loglikelihood (multiple-choice) tasks through its echo and logprobs (max_tokens 1, the prompt's
+# tokens scored: what lm-eval sends).
 # Usage: benchmarks/lm_eval.sh OUT_DIR TASKS [extra lm_eval options]
 #   TASKS        lm-eval task names; with INCLUDE_PATH, tasks of your own (YAML + local data:
 #                no dataset hub is reached from here)
@@ -9,7 +11,6 @@
 #   MODEL        its --served-model-name   (default: the first model /v1/models lists)
 #   BATCH_SIZE   prompts per request       (default 2)
 #   INCLUDE_PATH a folder of task YAMLs    (optional)
-# Loglikelihood (multiple-choice) tasks need echo and logprobs, which the server refuses so far.
 # Needs the clients extra (make test-clients builds .venv-clients).
 set -euo pipefail
 out=${1:?usage: $0 OUT_DIR TASKS [lm_eval options]}

@@ -1,5 +1,6 @@
-"""Real clients against a real server on loopback: LangChain's ChatOpenAI, guidellm's default
-streaming benchmark and lm-evaluation-harness's local-completions with batched prompts.
+"""Real clients against a real server on loopback: LangChain's ChatOpenAI (logprobs, n,
+structured output, tools), guidellm's default streaming benchmark and lm-evaluation-harness's
+local-completions (batched prompts; multiple choice through echo and logprobs).
 
 They come with the ``clients`` extra, in a venv of their own (``make test-clients`` builds
 ``.venv-clients``); where they are not installed these tests skip and say so.
@@ -13,9 +14,11 @@ import subprocess
 import sys
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
@@ -35,9 +38,13 @@ def local(tiny_ckpt):
     return LLM(tiny_ckpt, block_size=16, num_blocks=64)
 
 
-def _chat_greedy(local, messages: list[dict], n: int) -> str:
+def _chat_prompt(local, messages: list[dict]) -> list[int]:
     text = local.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = local.tokenizer.encode(text, add_special_tokens=False)
+    return local.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _chat_greedy(local, messages: list[dict], n: int) -> str:
+    ids = _chat_prompt(local, messages)
     return local.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0].text
 
 
@@ -145,3 +152,152 @@ def test_lm_eval_local_completions_batches_prompts_through_the_remote_tokenizer(
     (results,) = (tmp_path / "out").rglob("results_*.json")
     score = json.loads(results.read_text())["results"]["rlt_hal_greedy"]["exact_match,none"]
     assert score == 1.0, log
+
+
+@_needs("langchain_openai")
+def test_langchain_logprobs_with_n_equal_the_offline_ones(server, local):
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        model="toy", base_url=server.base + "/v1", api_key="unused", temperature=0,
+        max_tokens=6, max_retries=0, logprobs=True, top_logprobs=2, n=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    (generations,) = llm.generate([[HumanMessage("hi")]]).generations
+    assert len(generations) == 2
+    ids = _chat_prompt(local, [{"role": "user", "content": "hi"}])
+    want = local.generate([ids], SamplingParams(max_tokens=6, logprobs=2, ignore_eos=True))[0]
+    for gen in generations:  # greedy: both choices are the offline answer
+        assert gen.text == want.text
+        content = gen.generation_info["logprobs"]["content"]
+        assert [e["logprob"] for e in content] == [
+            row[t].logprob for t, row in zip(want.token_ids, want.logprobs, strict=True)
+        ]
+        assert all(len(e["top_logprobs"]) == 2 for e in content)
+    said = llm.invoke([HumanMessage("hi")])
+    assert len(said.response_metadata["logprobs"]["content"]) == 6
+
+
+class Pet(BaseModel):
+    """A pet (bounded fields: a random model always finishes it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=8)
+    kind: Literal["cat", "dog"]
+    legs: int = Field(ge=0, le=8)
+
+
+class GetWeather(BaseModel):
+    """The weather in a city."""
+
+    model_config = ConfigDict(extra="forbid")
+    city: str = Field(max_length=8)
+    unit: Literal["c", "f"]
+
+
+def _chat_openai(server, seed: int):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        model="toy", base_url=server.base + "/v1", api_key="unused", max_tokens=300,
+        max_retries=0, seed=seed,
+    )  # fmt: skip
+
+
+@_needs("langchain_openai")
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_succeeds_every_time(server, method):
+    # json_mode asks for any JSON object, which bounds nothing: a random model may not close it
+    for seed in range(4):
+        llm = _chat_openai(server, seed)
+        pet = llm.with_structured_output(Pet, method=method).invoke("describe a pet")
+        assert isinstance(pet, Pet) and pet.kind in ("cat", "dog")
+
+
+@_needs("langchain_openai")
+@pytest.mark.parametrize("tool_choice", ["required", "GetWeather"])
+def test_langchain_bind_tools_gets_a_valid_call_every_time(server, tool_choice):
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    for seed in range(4):
+        llm = _chat_openai(server, seed).bind_tools(
+            [GetWeather], tool_choice=tool_choice, parallel_tool_calls=False
+        )
+        said = llm.invoke([HumanMessage("weather in Oslo?")])
+        (call,) = said.tool_calls
+        assert call["name"] == "GetWeather" and call["id"].startswith("call_")
+        GetWeather(**call["args"])
+        assert said.response_metadata["finish_reason"] == "tool_calls"
+        turns = [HumanMessage("weather?"), said, ToolMessage("sunny", tool_call_id=call["id"])]
+        assert _chat_openai(server, seed).bind(max_tokens=3).invoke(turns).content is not None
+
+
+def _mc_task(folder: Path) -> None:
+    """A multiple-choice task of local text (no dataset hub): lm-eval scores each choice by
+    its continuation's loglikelihood, through echo and logprobs."""
+    rows = [
+        ("The quick brown fox jumps over the lazy", ["dog", "cat", "fox"], 0),
+        ("Numbers: 0 1 2 3 4 5 6 7 8", ["9", "nine", "ten"], 0),
+        ("Pack my box with five dozen liquor", ["jugs", "bottles"], 0),
+        ("An inference server accepts requests over", ["HTTP", "carrier pigeon"], 0),
+        ("def main():\n    print(", ['"hello, world")', "42)"], 0),
+    ]
+    data = folder / "mc.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": q, "choices": c, "gold": g}) + "\n" for q, c, g in rows)
+    )
+    task = {
+        "task": "rlt_hal_mc",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{question}}",
+        "doc_to_choice": "choices",
+        "doc_to_target": "gold",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    }
+    (folder / "rlt_hal_mc.yaml").write_text(json.dumps(task))
+
+
+def _offline_loglikelihood(local, context: str, continuation: str) -> float:
+    """What lm-eval computes from the server's echoed logprobs, offline: its pair encoding
+    (the whole text, split at the context's length), then the continuation tokens'
+    log-probabilities summed in order."""
+    encode = lambda text: local.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole, ctx = encode(context + continuation), encode(context)
+    out = local.generate([whole], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    return sum(out.prompt_logprobs[p][whole[p]].logprob for p in range(len(ctx), len(whole)))
+
+
+@_needs("lm_eval")
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_lm_eval_multiple_choice_scores_with_the_offline_loglikelihoods(
+    server, local, tmp_path, batch_size
+):
+    _mc_task(tmp_path)
+    cmd = [
+        *(sys.executable, "-m", "lm_eval", "--model", "local-completions"),
+        *("--model_args", f"model=toy,base_url={server.base}/v1/completions,max_retries=1"),
+        *("--tasks", "rlt_hal_mc", "--include_path", str(tmp_path), "--log_samples"),
+        *("--batch_size", str(batch_size), "--output_path", str(tmp_path / "out")),
+    ]
+    done = subprocess.run(cmd, cwd=tmp_path, env=OFFLINE, capture_output=True, text=True)
+    log = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, log
+    (results,) = (tmp_path / "out").rglob("results_*.json")
+    score = json.loads(results.read_text())["results"]["rlt_hal_mc"]["acc,none"]
+    assert 0.0 <= score <= 1.0
+    (samples,) = (tmp_path / "out").rglob("samples_rlt_hal_mc_*.jsonl")
+    docs = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(docs) == 5
+    for doc in docs:
+        for args, (reported, _greedy) in zip(
+            doc["arguments"].values(), doc["filtered_resps"], strict=True
+        ):
+            want = _offline_loglikelihood(local, args["arg_0"], args["arg_1"])
+            assert float(reported) == want, (args, reported, want)  # bit for bit
