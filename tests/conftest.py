@@ -158,6 +158,14 @@ def available_drivers() -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def default_server():
+    """``rlt-hal serve`` on its default model (the embedded random toy checkpoint)."""
+    proc = ServerProcess(None)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
 def server(tiny_ckpt):
     """A real ``rlt-hal serve`` process on a loopback port, one per test module."""
     proc = ServerProcess(tiny_ckpt)

@@ -20,6 +20,7 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model_dir, *extra: str, env: dict[str, str] | None = None) -> None:
+        """``model_dir`` None: the default model (the embedded random toy checkpoint)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         given = env or {}
@@ -31,8 +32,7 @@ class ServerProcess:
             "-m",
             "runtime_glue.cli.main",
             "serve",
-            "--model",
-            str(model_dir),
+            *(() if model_dir is None else ("--model", str(model_dir))),
             "--port",
             str(self.port),
             "--served-model-name",

@@ -207,21 +207,21 @@ def _chat_openai(server, seed: int):
 
 @_needs("langchain_openai")
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_with_structured_output_succeeds_every_time(server, method):
+def test_langchain_with_structured_output_succeeds_every_time(default_server, method):
     # json_mode asks for any JSON object, which bounds nothing: a random model may not close it
     for seed in range(4):
-        llm = _chat_openai(server, seed)
+        llm = _chat_openai(default_server, seed)
         pet = llm.with_structured_output(Pet, method=method).invoke("describe a pet")
         assert isinstance(pet, Pet) and pet.kind in ("cat", "dog")
 
 
 @_needs("langchain_openai")
 @pytest.mark.parametrize("tool_choice", ["required", "GetWeather"])
-def test_langchain_bind_tools_gets_a_valid_call_every_time(server, tool_choice):
+def test_langchain_bind_tools_gets_a_valid_call_every_time(default_server, tool_choice):
     from langchain_core.messages import HumanMessage, ToolMessage
 
     for seed in range(4):
-        llm = _chat_openai(server, seed).bind_tools(
+        llm = _chat_openai(default_server, seed).bind_tools(
             [GetWeather], tool_choice=tool_choice, parallel_tool_calls=False
         )
         said = llm.invoke([HumanMessage("weather in Oslo?")])
@@ -230,7 +230,9 @@ def test_langchain_bind_tools_gets_a_valid_call_every_time(server, tool_choice):
         GetWeather(**call["args"])
         assert said.response_metadata["finish_reason"] == "tool_calls"
         turns = [HumanMessage("weather?"), said, ToolMessage("sunny", tool_call_id=call["id"])]
-        assert _chat_openai(server, seed).bind(max_tokens=3).invoke(turns).content is not None
+        assert (
+            _chat_openai(default_server, seed).bind(max_tokens=3).invoke(turns).content is not None
+        )
 
 
 def _mc_task(folder: Path) -> None:

@@ -181,13 +181,17 @@ class Pet(BaseModel):
     legs: int = Field(ge=0, le=8)
 
 
-def test_the_openai_sdk_parses_into_a_pydantic_model_every_time(client):
-    for seed in range(6):
+def _parse_pets(client, seeds) -> None:
+    for seed in seeds:
         got = client.chat.completions.parse(
             model="toy", messages=USER, response_format=Pet, seed=seed, max_tokens=200
         )
         pet = got.choices[0].message.parsed
         assert isinstance(pet, Pet) and pet.kind in ("cat", "dog") and 0 <= pet.legs <= 8
+
+
+def test_the_openai_sdk_parses_into_a_pydantic_model_every_time(client):
+    _parse_pets(client, range(6))
 
 
 # -- tool calls -------------------------------------------------------------------------------
@@ -382,3 +386,15 @@ def test_the_server_prewarms_the_grammar_engine(tiny_ckpt):
     llm = LLM(tiny_ckpt, block_size=16, num_blocks=64)
     Server(llm, "toy").prewarm()
     assert llm.engine.grammar_compiler()._ll_tokenizer is not None
+
+
+def test_on_the_default_model_parse_and_a_required_call_succeed_every_time(default_server):
+    client = openai.OpenAI(base_url=default_server.base + "/v1", api_key="x", max_retries=0)
+    _parse_pets(client, range(4))
+    for seed in range(4):
+        got = client.chat.completions.create(
+            model="toy", messages=USER, tools=TOOLS, tool_choice="required", seed=seed,
+            max_tokens=300,
+        )  # fmt: skip
+        assert got.choices[0].finish_reason == "tool_calls"
+        _check_calls(got.choices[0].message.tool_calls)
