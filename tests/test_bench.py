@@ -146,6 +146,26 @@ def test_bench_plans_compares_the_default_with_every_single_kernel_plan(tmp_path
         assert min(r[key] for r in plans.values()) == 1.0  # one plan is the best at each
 
 
+def test_bench_structured_times_the_grammars_parts_against_unconstrained(tmp_path):
+    report, table = _bench(
+        tmp_path,
+        "structured --preset tiny --input-len 8 --output-len 6 --runs 1 --concurrency 2 "
+        "--block-size 16",
+    )
+    assert set(report["specs"]) == {"json", "regex"} and report["plan"] in table
+    assert set(report["levels"]) == {"c1", "c2"}
+    for level, rows in report["levels"].items():
+        assert [r["kind"] for r in rows] == ["none", "json", "regex"]
+        size = 1 if level == "c1" else 2
+        for r in rows:
+            assert r["tokens"] == 6 * size  # no grammar ends before --output-len
+            assert _positive(r["tpot_s"]) and _positive(r["tok_s"])
+            constrained = r["kind"] != "none"
+            for part in ("mask", "apply", "accept"):
+                assert (r[f"{part}_s_per_token"] > 0) == constrained, (level, r)
+            assert f"| {r['kind']} | {r['tpot_s'] * 1e3:.2f} | {r['tpot_ratio']:.2f}x |" in table
+
+
 def test_bench_detokenize_times_both_ways_at_each_length(tmp_path):
     report, table = _bench(tmp_path, "detokenize --preset tiny --lengths 50,200 --runs 2")
     assert [r["tokens"] for r in report["results"]] == [50, 200]

@@ -39,7 +39,17 @@ def test_every_engine_option_reaches_the_engine_commands(command):
 
 
 @pytest.mark.parametrize(
-    "bench", ["latency", "baseline", "plans", "adaptive", "determinism", "graphs", "speculative"]
+    "bench",
+    [
+        "latency",
+        "baseline",
+        "plans",
+        "adaptive",
+        "determinism",
+        "graphs",
+        "speculative",
+        "structured",
+    ],
 )
 def test_bench_commands_take_the_engine_options_they_do_not_size_themselves(bench):
     from runtime_glue.bench.cli import SET_BY_BENCH

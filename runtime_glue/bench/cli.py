@@ -44,7 +44,8 @@ def add_parsers(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmarks of an engine here (latency, baseline, determinism, plans, adaptive, "
-        "graphs, speculative, detokenize, ops, kv-sharing) or of a running server (serve)",
+        "graphs, speculative, structured, detokenize, ops, kv-sharing) or of a running server "
+        "(serve)",
     )
     kinds = p.add_subparsers(dest="bench", required=True)
     _add_engine_benches(kinds)
@@ -95,6 +96,11 @@ def _add_step_benches(kinds) -> None:
     sp.add_argument("--loops-grid", type=_ints, default=[1, 2], help="values of E")
     sp.add_argument("--tokens-grid", type=_ints, default=[2, 4, 8], help="values of K")
     sp.set_defaults(func=cmd_speculative)
+    st = kinds.add_parser(
+        "structured", help="constrained decoding (a JSON schema, a regex) vs unconstrained"
+    )
+    _load_args(st, output_len=64)
+    st.set_defaults(func=cmd_structured)
     dt = kinds.add_parser("detokenize", help="detokenising cost per token as the output grows")
     EngineArgs.add_cli_args(dt, fields=("model", "preset"))
     dt.add_argument(
@@ -285,6 +291,14 @@ def cmd_speculative(args) -> int:
         args.concurrency,
     )
     return _emit_model(args, report, markdown_speculative(report))
+
+
+def cmd_structured(args) -> int:
+    from runtime_glue.bench.structured_bench import markdown_structured, structured
+
+    llm = _llm(args, _load_tokens(args))
+    report = structured(llm, args.input_len, args.output_len, args.runs, args.concurrency)
+    return _emit_model(args, report, markdown_structured(report))
 
 
 def cmd_detokenize(args) -> int:
