@@ -67,12 +67,12 @@ class _Timers:
         saved = (Matcher.allowed_after, Matcher.accept, sampler_module.process)
         Matcher.allowed_after = self.wrap("mask", saved[0])  # type: ignore[method-assign]
         Matcher.accept = self.wrap("accept", saved[1])  # type: ignore[method-assign]
-        sampler_module.process = self.wrap("apply", saved[2])  # type: ignore[assignment]
+        sampler_module.process = self.wrap("apply", saved[2])
         try:
             yield self
         finally:
             Matcher.allowed_after, Matcher.accept = saved[0], saved[1]  # type: ignore[method-assign]
-            sampler_module.process = saved[2]  # type: ignore[assignment]
+            sampler_module.process = saved[2]
 
 
 def _run(llm: LLM, prompts: list[list[int]], output_len: int, spec: dict | None) -> dict:
