@@ -77,7 +77,8 @@ def test_completion_logprobs_equal_offline_bit_for_bit(any_server, local):
     assert got.choices[0].text == want.text
     offsets = block["text_offset"]
     assert offsets[0] == 0 and all(
-        b - a == len(t) for a, b, t in zip(offsets, offsets[1:], block["tokens"][:-1], strict=True)
+        b - a == len(t)
+        for a, b, t in zip(offsets[:-1], offsets[1:], block["tokens"][:-1], strict=True)
     )
 
 

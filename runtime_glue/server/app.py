@@ -26,6 +26,7 @@ from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import InvalidRequest
 from runtime_glue.engine.llm import build_llm
 from runtime_glue.engine.request import RequestOutput
+from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.structured import StructuredOutputError, StructuredSpec
 from runtime_glue.server import DEFAULT_JSON_WHITESPACE, DEFAULT_MAX_REQUEST_BYTES
 from runtime_glue.server.args import ServerArgs
@@ -230,9 +231,10 @@ class Server:
 
     # -- running a request -----------------------------------------------------------------
 
-    def submit(self, rid: str, ids: list[int], params, follows: str | None = None):
-        """Queue one engine request (``follows``: see ``EngineLoop.submit``); its sink."""
-        return self.loop.submit(rid, ids, params, follows)
+    def submit(self, requests: list[tuple[str, list[int], SamplingParams, str | None]]):
+        """Queue engine requests (id, prompt ids, params, follows) together; their sinks
+        (``EngineLoop.submit_all``)."""
+        return self.loop.submit_all(requests)
 
     async def outputs(self, rid: str, sink, request: Request) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one submitted request; aborts it if the client goes away."""

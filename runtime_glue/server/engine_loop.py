@@ -1,8 +1,9 @@
 """One thread owns the engine; HTTP handlers talk to it through queues only.
 
-Handlers never touch device state: they submit (request id, prompt ids, params) and receive
-``RequestOutput`` objects on an asyncio queue; an abort is a message too. Errors from
-``add_request`` come back on the same queue as an exception.
+Handlers never touch device state: they submit requests (id, prompt ids, params, follows; a
+request's choices in one command) and receive ``RequestOutput`` objects on an asyncio queue
+each; an abort is a message too. Errors from ``add_request`` come back on the same queue as an
+exception.
 """
 
 from __future__ import annotations
@@ -63,20 +64,16 @@ class EngineLoop:
         self._deadline = time.monotonic() + timeout
         self._commands.put(("wake",))
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        follows: str | None = None,
-    ):
-        """Queue a request; returns the asyncio queue its outputs arrive on. ``follows``: a
-        request submitted before with the same prompt, whose prompt pages this one shares
-        (``Engine.add_request``)."""
+    def submit_all(self, requests: list[tuple[str, list[int], SamplingParams, str | None]]):
+        """Queue requests (id, prompt ids, params, follows) as one command; returns the asyncio
+        queues their outputs arrive on. ``follows``: a request earlier in the list with the same
+        prompt, whose prompt pages this one shares (``Engine.add_request``); the loop adds them
+        together, before any step, so a follower finds its leader still in prefill."""
         loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("add", request_id, prompt_ids, params, follows, loop, sink))
-        return sink
+        sinks: list[asyncio.Queue] = [asyncio.Queue() for _ in requests]
+        adds = [(*r, loop, sink) for r, sink in zip(requests, sinks, strict=True)]
+        self._commands.put(("add", adds))
+        return sinks
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -133,14 +130,14 @@ class EngineLoop:
 
     def _handle(self, cmd) -> None:
         if cmd[0] == "add":
-            _, rid, ids, params, follows, loop, sink = cmd
-            self._sinks[rid] = (loop, sink)
-            try:
-                self.engine.add_request(rid, ids, params, follows=follows)
-            except ValueError as exc:
-                self._send(rid, exc)
-                return
-            self.metrics.prompt_tokens.inc(len(ids))
+            for rid, ids, params, follows, loop, sink in cmd[1]:
+                self._sinks[rid] = (loop, sink)
+                try:
+                    self.engine.add_request(rid, ids, params, follows=follows)
+                except ValueError as exc:
+                    self._send(rid, exc)
+                    continue
+                self.metrics.prompt_tokens.inc(len(ids))
         elif cmd[0] == "abort":
             rid = cmd[1]
             if self.engine.abort_request(rid):

@@ -57,11 +57,11 @@ def _sse(obj) -> str:
 async def _merged(
     server, choices: list[Choice], rid: str, request
 ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-    """Every choice's engine outputs, as they come. All are submitted first, in order (a
+    """Every choice's engine outputs, as they come. All are submitted at once, in order (a
     follower after the choice it follows). Ending early (an error, a client gone) aborts the
     engine requests still running (``Server.outputs``)."""
     if len(choices) == 1:
-        sink = server.submit(rid, choices[0].ids, choices[0].params)
+        (sink,) = server.submit([(rid, choices[0].ids, choices[0].params, None)])
         async for out in server.outputs(rid, sink, request):
             yield choices[0], out
         return
@@ -76,10 +76,17 @@ async def _merged(
         finally:
             queue.put_nowait((choice, None))
 
-    sinks = []
-    for c in choices:
-        follows = None if c.follows is None else f"{rid}-{c.follows}"
-        sinks.append(server.submit(f"{rid}-{c.index}", c.ids, c.params, follows))
+    sinks = server.submit(
+        [
+            (
+                f"{rid}-{c.index}",
+                c.ids,
+                c.params,
+                None if c.follows is None else f"{rid}-{c.follows}",
+            )
+            for c in choices
+        ]
+    )
     tasks = [asyncio.create_task(pump(c, sink)) for c, sink in zip(choices, sinks, strict=True)]
     try:
         running = len(tasks)
