@@ -129,10 +129,18 @@ def test_an_empty_prompt_is_rejected(llm):
         llm.generate(["hello", ""])
 
 
-@pytest.mark.parametrize("max_tokens", [0, -3])
-def test_max_tokens_must_be_positive(max_tokens):
-    with pytest.raises(ValueError, match=f"max_tokens must be > 0, got {max_tokens}"):
+@pytest.mark.parametrize(
+    "max_tokens, message",
+    [
+        (0, r"max_tokens must be > 0 \(0 only with prompt_logprobs\), got 0"),
+        (-3, "max_tokens must be >= 0, got -3"),
+    ],
+)
+def test_max_tokens_must_be_positive_unless_only_the_prompt_is_scored(max_tokens, message):
+    with pytest.raises(ValueError, match=message):
         SamplingParams(max_tokens=max_tokens)
+    if max_tokens == 0:
+        SamplingParams(max_tokens=0, prompt_logprobs=0)  # scoring the prompt only
 
 
 def test_token_ids_outside_the_vocabulary_are_rejected(llm):
