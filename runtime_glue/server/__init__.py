@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI handlers in front of one engine loop thread.
 
-Owns: the app and its routes, the request protocol, the engine loop thread, metrics, and Ray
-Serve replicas of the same app (``replicas``, the one module that imports Ray).
+Owns: the app (``app``, its HTTP plumbing in ``http``) and its routes, the request protocol,
+the response shapes (``render``; ``logprobs``), tool calls (``tools``), the engine loop thread,
+metrics, and Ray Serve replicas of the same app (``replicas``, the one module that imports Ray).
 
 May import: ``hal``, ``runtime_glue.ouro`` and ``runtime_glue.engine`` (an engine is built from
 ``EngineArgs``). Never the command line, the checks or the benchmarks.
