@@ -132,8 +132,8 @@ def test_an_empty_prompt_is_rejected(llm):
 @pytest.mark.parametrize(
     "max_tokens, message",
     [
-        (0, r"max_tokens must be > 0 \(0 only with prompt_logprobs\), got 0"),
-        (-3, "max_tokens must be >= 0, got -3"),
+        (0, r"max_tokens must be > 0, got 0 \(0 only with prompt_logprobs\)"),
+        (-3, r"max_tokens must be > 0, got -3 \(0 only with prompt_logprobs\)"),
     ],
 )
 def test_max_tokens_must_be_positive_unless_only_the_prompt_is_scored(max_tokens, message):

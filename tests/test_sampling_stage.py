@@ -68,7 +68,7 @@ def test_min_p_keeps_only_tokens_within_its_share_of_the_most_likely():
         ("min_tokens", 40, r"min_tokens must be in \[0, max_tokens \(16\)\]"),
         ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
         ("logprobs", 21, r"logprobs must be in \[0, 20\]"),
-        ("max_tokens", 0, "0 only with prompt_logprobs"),
+        ("max_tokens", 0, r"max_tokens must be > 0, got 0 \(0 only with prompt_logprobs\)"),
         ("n", 0, "n must be >= 1"),
     ],
 )
@@ -149,3 +149,71 @@ def test_n_samples_share_the_prompts_kv_and_equal_separate_requests(tiny_ckpt):
     assert len({o.token_ids for o in outs[:3]}) == 3
     llm.engine.audit_pages()
     assert llm.engine.num_free_blocks == 64
+
+
+# -- structured outputs in the stage ---------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["cat", "dog", "owl"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "home": {
+            "type": "object",
+            "properties": {"floor": {"enum": [1, 2, 3]}},
+            "required": ["floor"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "kind", "tags", "home"],
+    "additionalProperties": False,
+}
+JSON = {"json": SCHEMA, "disable_any_whitespace": True}
+REGEX = {"regex": "[0-9]{3}-[a-z]{2,5}"}
+
+
+def test_json_schema_outputs_always_parse_and_validate_while_sampling(llm):
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    for seed in range(12):
+        params = SamplingParams(max_tokens=80, temperature=1.0, seed=seed, structured_outputs=JSON)
+        out = llm.generate([PROMPT], params)[0]
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert out.finish_reason == "stop", out
+
+
+def test_a_regex_and_a_choice_are_matched_exactly(llm):
+    import re
+
+    for seed in range(6):
+        p = SamplingParams(max_tokens=30, temperature=1.0, seed=seed, structured_outputs=REGEX)
+        assert re.fullmatch(REGEX["regex"], llm.generate([PROMPT], p)[0].text)
+    choice = {"choice": ["yes", "no", "not sure"]}
+    for seed in range(6):
+        p = SamplingParams(max_tokens=10, temperature=1.0, seed=seed, structured_outputs=choice)
+        assert llm.generate([PROMPT], p)[0].text in choice["choice"]
+
+
+@pytest.mark.parametrize("rule", [JSON, REGEX], ids=["json", "regex"])
+def test_constrained_speculation_gives_constrained_plain_decodings_bits(llm, spec, rule):
+    for params in (
+        SamplingParams(max_tokens=40, structured_outputs=rule),
+        SamplingParams(max_tokens=40, temperature=0.9, seed=3, structured_outputs=rule),
+    ):
+        want = llm.generate([PROMPT], params, return_logits=True)[0]
+        got = spec.generate([PROMPT], params, return_logits=True)[0]
+        assert got.token_ids == want.token_ids and torch.equal(got.logits, want.logits)
+
+
+def test_a_verify_row_masked_as_if_no_draft_came_before_it_is_caught(llm, spec, monkeypatch):
+    """Planted bug: a speculative row gets the matcher's current mask instead of the mask
+    after the drafts before it (what "not rolled forward" and "not rolled back" both give)."""
+    from runtime_glue.engine import structured
+
+    monkeypatch.setattr(structured.Matcher, "allowed_after", lambda self, drafted: self.allowed())
+    params = SamplingParams(max_tokens=40, structured_outputs=REGEX)
+    want = llm.generate([PROMPT], params)[0]
+    got = spec.generate([PROMPT], params)[0]
+    assert got.token_ids != want.token_ids

@@ -216,6 +216,24 @@ def test_a_query_never_sees_later_positions(driver):
         assert not torch.equal(after[4:], before[4:])
 
 
+def test_copy_moves_rows_to_other_slots_in_every_plane(driver):
+    """``KVStore.copy`` (n > 1: a forked request's partial page): every plane's rows at the
+    source slots appear at the destination slots; nothing else changes."""
+    gen = torch.Generator().manual_seed(8)
+    kv = _filled_store(driver, gen)
+    dev = driver.device.torch_device
+    src, dst = torch.tensor([3, 4, 5], device=dev), torch.tensor([40, 41, 42], device=dev)
+    planes = range(kv.layout.num_planes)
+    before = [kv.gather(p, torch.arange(kv.layout.num_slots, device=dev)) for p in planes]
+    kv.copy(src, dst)
+    for p in planes:
+        k, v = kv.gather(p, torch.arange(kv.layout.num_slots, device=dev))
+        want_k, want_v = before[p][0].clone(), before[p][1].clone()
+        want_k[:, :, dst.cpu()] = before[p][0][:, :, src.cpu()]
+        want_v[:, :, dst.cpu()] = before[p][1][:, :, src.cpu()]
+        assert torch.equal(k.cpu(), want_k.cpu()) and torch.equal(v.cpu(), want_v.cpu()), p
+
+
 # -- addressing past a plane, and decode KV sharing (hal.shared_kv) ----------------------
 
 SHARED_LAYOUT = KVLayout(num_planes=4, num_blocks=6, block_size=16, num_kv_heads=2, head_dim=32)

@@ -44,11 +44,6 @@ if TYPE_CHECKING:
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 
 
-def _non_negative(_, attribute, value):
-    if value is not None and value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
-
-
 def _ids(value: Iterable[int]) -> tuple[int, ...]:
     return tuple(int(t) for t in value)
 
@@ -59,7 +54,7 @@ def _bias(value) -> dict[int, float]:
 
 @attrs.frozen
 class SamplingParams:
-    max_tokens: int = attrs.field(default=16, validator=_non_negative)
+    max_tokens: int = 16  # 0 only with prompt_logprobs: a prompt scored, nothing generated
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -115,8 +110,10 @@ class SamplingParams:
         self._check_stage()
 
     def _check_stage(self) -> None:
-        if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise ValueError("max_tokens must be > 0 (0 only with prompt_logprobs), got 0")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError(
+                f"max_tokens must be > 0, got {self.max_tokens} (0 only with prompt_logprobs)"
+            )
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
