@@ -217,3 +217,11 @@ def test_a_verify_row_masked_as_if_no_draft_came_before_it_is_caught(llm, spec, 
     want = llm.generate([PROMPT], params)[0]
     got = spec.generate([PROMPT], params)[0]
     assert got.token_ids != want.token_ids
+
+
+def test_a_finished_grammar_ends_the_request_even_when_eos_is_ignored(llm):
+    params = SamplingParams(
+        max_tokens=30, ignore_eos=True, structured_outputs={"choice": ["yes", "no"]}
+    )
+    out = llm.generate([PROMPT], params)[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) < 30

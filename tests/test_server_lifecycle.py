@@ -39,7 +39,9 @@ def test_a_near_limit_prompt_in_flight_delays_neither_health_nor_a_short_request
         thread.join(300)
         assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 2
         assert result["status"] == 400  # far over the model's length, refused once tokenized
-        assert health < 1.0 and short_done - start < 5.0, (health, short_done - start)
+        # Seconds, not milliseconds, so another process on the machine cannot fail it: on
+        # the event loop the same prompt stalled /health for 11 s (issue 32).
+        assert health < 3.0 and short_done - start < 6.0, (health, short_done - start)
         assert short_done < result["end"], "the large prompt was not in flight"
     finally:
         proc.stop()

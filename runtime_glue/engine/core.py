@@ -426,6 +426,8 @@ class Engine:
         params, detok = req.params, req.detokenizer
         cut = detok.add(token) if detok is not None else None
         stops = token in params.stop_ids(self.eos_token_ids)
+        if req.matcher is not None and req.matcher.is_terminated():
+            stops = True  # the grammar allows nothing more (ignore_eos or not)
         if (stops or cut is not None) and len(req.output_ids) >= params.min_tokens:
             self._finish(req, "stop")
         elif len(req.output_ids) >= params.max_tokens:
