@@ -300,7 +300,7 @@ def run_all(ckpt, pool, prompts, max_tokens, eos=None):
     that one step gave a token."""
     llm = _llm(ckpt, num_blocks=pool, max_num_seqs=8)
     if eos is not None:
-        llm.engine.eos_token_ids = frozenset({eos})
+        llm.engine.eos_token_ids = eos
     reqs, most = [], 0
     for i, p in enumerate(prompts):
         params = SamplingParams(max_tokens=max_tokens(p), ignore_eos=eos is None)
@@ -320,18 +320,16 @@ def test_a_pool_for_two_full_length_requests_serves_eight_that_stop_early(checkp
     context = 256
     ckpt = checkpoints("short-context", seed=2, max_position_embeddings=context)
     prompts = [prompt_of(20 + 3 * i, seed=40 + i) for i in range(8)]
-    # Each request stops at its first sampling of a token the greedy runs often produce.
+    # Every request stops within 60 tokens: the stop set holds one token from each request's
+    # own greedy run (whatever tokens a CPU's GEMM path gives this random checkpoint).
     probe = _llm(ckpt, caching=False, num_blocks=8 * context // BS)
-    counts: dict[int, int] = {}
-    for out in probe.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True)):
-        for t in out.token_ids[20:]:
-            counts[t] = counts.get(t, 0) + 1
-    eos = max(counts, key=counts.__getitem__)
+    outs = probe.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
+    eos = frozenset(out.token_ids[40] for out in outs)
     to_the_limit = lambda p: context - len(p)  # noqa: E731
     big, _, _ = run_all(ckpt, 8 * context // BS, prompts, to_the_limit, eos)
     small, stats, most = run_all(ckpt, 2 * context // BS, prompts, to_the_limit, eos)
     assert most == 8 and stats["failed"] == 0, stats
-    assert sum(r.finish_reason == "stop" for r in small) >= 6  # most stopped early
+    assert all(r.finish_reason == "stop" and len(r.output_ids) <= 41 for r in small)
     assert_same_bits(small, big)
 
 
