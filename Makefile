@@ -30,8 +30,14 @@ lint: $(STAMP)
 # CPU comes to an AVX2-only one, whatever it is).
 AVX2_DISPATCH := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist) of one thread each: on 2 cores that
+# takes about three quarters of the time of one process of two threads (which leaves a core
+# idle through Python, server start-ups and GEMMs too small to split). The rerun under AVX2 dispatch keeps torch's own thread
+# count, so the multi-threaded GEMM paths are tested too.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
 	$(AVX2_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_deterministic.py \
 		tests/test_engine.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing --rlt-driver cpu \
