@@ -7,7 +7,11 @@ final-loop logits may differ by at most LOGIT_TOLERANCE while the tokens fed are
 the tokens may part only where the batched run picked a token within LOGIT_TOLERANCE of the
 best (a near-tie). Measured on a 2-core EPYC with avx512_bf16 (2026-12-03): logits within
 0.19; one prompt of five parted at an exact tie (two logits of 11.625) on the hidden-2048
-config. On an AVX2-only EPYC earlier: within 0.227, no parting.
+config. On an AVX2-only EPYC earlier: within 0.227, no parting. On a 2-core Xeon with AVX-512
+but no avx512_bf16 (2026-12-05): within 0.625 (five bf16 ulps of a logit of 16, on the
+emulated npu's first decode row of a 40-token prompt, random weights), two prompts of five
+parted at near-ties. A request reading another's KV or a wrong mask moves logits by whole
+units and parts tokens away from ties.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from runtime_glue.engine.sampling import SamplingParams
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import GREEDY, prompt_of, request_slots
 
-LOGIT_TOLERANCE = 0.5
+LOGIT_TOLERANCE = 1.0
 ENGINE_CONFIGS = ["gqa-h64-d32-L2-T4", "gqa-h256-d32-L3-T4", "wide-h2048-d128-L1-T4"]
 PARAMS = SamplingParams(max_tokens=12, **GREEDY)
 
