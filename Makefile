@@ -37,7 +37,8 @@ AVX2_DISPATCH := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 TEST_WORKERS ?= 2
 
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
+		--dist loadgroup
 	$(AVX2_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_deterministic.py \
 		tests/test_engine.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing --rlt-driver cpu \

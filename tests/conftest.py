@@ -40,6 +40,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+    # Under pytest-xdist's --dist loadgroup (make test), a module's tests that use a fixture
+    # of module scope (a server, a trained checkpoint) run in one worker, which builds it once.
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs and any(d.scope == "module" for fd in defs.name2fixturedefs.values() for d in fd):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 # name -> config overrides on top of the tiny preset. Widths, heads, GQA, head_dim, layers and

@@ -67,8 +67,9 @@ def test_requests_joining_and_leaving_a_batch_get_the_bits_they_get_alone(
         eng.step()
         step += 1
     assert {2, 3, 4}.issubset(sizes), f"the batch never mixed enough requests: {sizes}"
+    alone = _llm(ckpt, driver_name)  # another engine, each request alone in it
     for i, (prompt, params) in enumerate(jobs):
-        want = _alone(ckpt, driver_name, prompt, params)
+        want = alone.generate([prompt], params, return_logits=True)[0]
         assert tuple(reqs[i].output_ids) == want.token_ids, f"request {i}"
         assert torch.equal(torch.stack(reqs[i].logits), want.logits), f"request {i}"
 
