@@ -71,3 +71,17 @@ def test_freeing_a_page_twice_is_refused_before_anything_changes():
     with pytest.raises(RuntimeError, match="freeing blocks that are not allocated"):
         alloc.free_after(blocks, None)
     assert alloc.num_free == 4
+
+
+def test_a_reservation_is_shared_grows_to_the_largest_need_and_ends_with_its_last_holder():
+    alloc = BlockAllocator(8, 16)
+    alloc.allocate(3)  # a request's pages
+    first = alloc.reserve(2)
+    second = alloc.reserve(5)  # another engine on the pool needs more: the same pages, and more
+    assert first is not None and second is not None and second[:2] == first
+    assert alloc.reserved == second and alloc.num_free == 0
+    assert alloc.reserve(6) is None and alloc.reserved == second  # cannot be had: nothing changes
+    alloc.release_reserved(None)
+    assert alloc.num_free == 0  # one holder left
+    alloc.release_reserved(None)
+    assert alloc.num_free == 5 and alloc.reserved == []

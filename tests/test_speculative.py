@@ -339,6 +339,24 @@ def test_bench_speculative_reports_the_grid_against_plain_decoding(tmp_path):
     assert "| 1 | 2 |" in table and "yes" in table
 
 
+def test_bench_speculative_counts_host_calls_per_token_under_step_graphs(tmp_path, monkeypatch):
+    """On the EMULATED npu in fast mode: draft and verify steps replayed (a few host calls
+    each), plain decoding 4 per token. It once never finished: every engine the bench builds
+    took scratch pages of its own from a pool sized without them."""
+    from tests.test_bench import _bench
+
+    monkeypatch.setenv("RLT_HAL_NPU_EMULATE", "1")
+    report, _ = _bench(
+        tmp_path,
+        "speculative --preset tiny --device npu --mode fast --step-graphs --input-len 8 "
+        "--output-len 12 --runs 1 --concurrency 1 --block-size 16 --loops-grid 1 --tokens-grid 3",
+    )
+    calls = report["host_calls_per_token"]
+    assert report["step_graphs"] == "npu_graph (emulated)" and calls["plain"] == 4
+    # a round: 4 draft steps and a verify step, replayed, for 1 to 4 tokens (eager: hundreds)
+    assert 4 < calls["E1K3"] < 100 and report["levels"]["c1"]["grid"][0]["identical"]
+
+
 def test_speculation_refuses_kv_sharing_saying_why(tiny_ckpt):
     with pytest.raises(ValueError, match="cannot be combined with --kv-sharing last: under kv"):
         LLM(tiny_ckpt, speculative_loops=1, kv_sharing="last")

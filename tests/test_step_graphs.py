@@ -158,8 +158,7 @@ def test_padding_rows_write_only_the_scratch_page(tiny_ckpt):
     for graphs in (False, True):
         llm = _llm(tiny_ckpt, "deterministic", graphs, num_blocks=24 if graphs else 25)
         if not graphs:
-            llm.engine.reserved_blocks = llm.allocator.allocate(1)  # the graphs' page ids
-            assert llm.engine.reserved_blocks == [0]
+            assert llm.allocator.reserve(1) == [0]  # the graphs' page ids
         else:
             assert llm.engine.graphs.scratch == [0] and 4 in llm.engine.graphs.sizes[0]
         _run(llm, requests)
@@ -168,6 +167,33 @@ def test_padding_rows_write_only_the_scratch_page(tiny_ckpt):
     assert torch.equal(k_eager[:, BS:], k_graph[:, BS:])
     assert torch.equal(v_eager[:, BS:], v_graph[:, BS:])
     assert not k_eager[:, :BS].any() and k_graph[:, :BS].any()
+
+
+def test_engines_on_one_pool_share_the_graphs_scratch_and_count_it_once(tiny_ckpt):
+    """An LLM and its variants (bench speculative builds three) hold one reservation, as large
+    as the largest need; each engine counts the pool without all of it. (Each once took its
+    own scratch, and a request the engine had admitted waited forever for pages.)"""
+    llm = _llm(tiny_ckpt, "fast", True)  # 4 rows: padding fits 1 block
+    spec = llm.with_speculation(1, 3)  # 4 generated + 4 draft + 16 verify rows: 2 blocks
+    plain = llm.with_speculation(None)
+    engines = [x.engine for x in (llm, spec, plain)]
+    assert all(e.graphs is not None for e in engines)
+    assert engines[0].graphs.scratch == engines[2].graphs.scratch == engines[1].graphs.scratch[:1]
+    assert len(llm.allocator.reserved) == 2 and llm.allocator.num_free == 25 - 2
+    assert {e.pool_tokens for e in engines} == {23 * BS}
+    out = spec.generate([prompt_of(20, seed=1)], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(out[0].token_ids) == 6 and spec.engine.graphs.stats["graph_steps"]
+
+
+def test_a_request_the_pool_can_no_longer_hold_ends_with_an_error_instead_of_waiting(tiny_ckpt):
+    llm = LLM(tiny_ckpt, block_size=BS, num_blocks=4)
+    engine = llm.engine
+    engine.add_request("r", prompt_of(40, seed=1), SamplingParams(max_tokens=4))  # 3 blocks
+    llm.allocator.reserve(2)  # after validation: another engine on the pool reserved pages
+    outputs = [out for _ in range(2) for out in engine.step()]
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("r", "error")]
+    assert "needs 3 KV block(s) to start, but the pool has 2 free" in outputs[0].error
+    assert not engine.has_unfinished() and engine.stats["failed"] == 1
 
 
 def test_an_input_copied_into_a_new_tensor_is_caught_by_the_double(tiny_ckpt, monkeypatch):

@@ -148,13 +148,21 @@ def _add_serve_bench(kinds) -> None:
     srv.set_defaults(func=cmd_serve)
 
 
-def _llm(args, tokens: int, **overrides):
-    """The engine of the command's options with a pool of ``tokens`` (and ``options``)."""
-    from runtime_glue.engine.llm import build_llm
+def _llm(args, tokens: int, spec_tokens: int | None = None, **overrides):
+    """The engine of the command's options with a pool of ``tokens`` (and ``options``), plus
+    the scratch blocks step graphs reserve for padding rows if they are on, for speculation
+    with up to ``spec_tokens`` drafts (default: the options')."""
+    from runtime_glue.engine.graphs import group_limits, scratch_blocks
+    from runtime_glue.engine.llm import DEFAULT_SPECULATIVE_TOKENS, build_llm
 
+    if spec_tokens is None and args.speculative_loops is not None:
+        spec_tokens = args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS
+    seqs = overrides.get("max_num_seqs", args.max_num_seqs)
     options = EngineArgs.from_cli_args(
         args,
-        num_blocks=-(-tokens // args.block_size) + 1,
+        num_blocks=-(-tokens // args.block_size)
+        + 1
+        + scratch_blocks(group_limits(seqs, spec_tokens), args.block_size),
         max_num_batched_tokens=max(8192, tokens),
         enable_prefix_caching=False,
         **overrides,
@@ -280,7 +288,8 @@ def cmd_speculative(args) -> int:
     from runtime_glue.bench.speculative_bench import markdown_speculative, speculative
 
     most = max(args.tokens_grid)  # and the rounds timed one by one (speculative_bench)
-    llm = _llm(args, _load_tokens(args) + args.concurrency * most + 4 * (most + 1) + args.input_len)
+    tokens = _load_tokens(args) + args.concurrency * most + 4 * (most + 1) + args.input_len
+    llm = _llm(args, tokens, spec_tokens=most)
     report = speculative(
         llm,
         args.loops_grid,

@@ -32,7 +32,7 @@ import attrs
 from hal.graphs import StepGraphs
 from hal.interfaces import Device
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
-from runtime_glue.engine.graphs import Replayed, StepGraphRunner
+from runtime_glue.engine.graphs import Replayed, StepGraphRunner, group_limits
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampler import Sampled, Sampler
@@ -115,7 +115,6 @@ class Engine:
         self.graph_admission: Admission | None = None  # the graphs' check on this device
         if step_graphs is not None:
             self._start_graphs(step_graphs, speculative)
-        self.reserved_blocks: list[int] = self.graphs.scratch if self.graphs is not None else []
         self.sampler = Sampler(device, self.eos_token_ids, tokenizer)
         self.followers: dict[str, list[Request]] = {}  # n > 1: leader id -> who waits on it
         self._grammars = grammars
@@ -136,19 +135,19 @@ class Engine:
         return speculator
 
     def _start_graphs(self, graphs: StepGraphs, speculative: SpeculativeConfig | None) -> None:
-        seqs = self.config.max_num_seqs
-        spec = 0 if speculative is None else seqs
-        verify = 0 if speculative is None else seqs * (speculative.tokens + 1)
+        limits = group_limits(
+            self.config.max_num_seqs, None if speculative is None else speculative.tokens
+        )
         runner = StepGraphRunner(
-            graphs, self.model, self.device, self.allocator, self.builder,
-            (seqs, spec, verify), self.max_model_len,
+            graphs, self.model, self.device, self.allocator, self.builder, limits,
+            self.max_model_len,
         )  # fmt: skip
         self.graph_admission = runner.admit()
         if self.graph_admission.admitted:
             self.graphs = runner
             return
         logger.warning("step graphs refused: %s", self.graph_admission.why)
-        self.allocator.free_after(runner.scratch, self.device.record_fence())
+        self.allocator.release_reserved(self.device.record_fence())
 
     # -- what the scheduler holds ----------------------------------------------------------
 
@@ -163,6 +162,11 @@ class Engine:
     @property
     def shared(self) -> SharedBlocks | None:
         return self.scheduler.shared
+
+    @property
+    def reserved_blocks(self) -> list[int]:
+        """Pages no request can have: the step graphs' scratch, of every engine on the pool."""
+        return self.allocator.reserved
 
     @property
     def pool_tokens(self) -> int:
@@ -291,9 +295,12 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if not plan and self.waiting and not self.running:
+            self.allocator.reclaim(wait=True)  # pages behind a fence: wait for them
+            plan = self.scheduler.schedule()
+            if not plan:  # the whole pool is this request's, and it still does not fit
+                return [self._never_fits(self.waiting[0])]
         if not plan:
-            if self.waiting and not self.running:
-                self.allocator.reclaim(wait=True)
             return []
         try:
             host = self.builder.build(plan)
@@ -322,6 +329,15 @@ class Engine:
         if self.speculator is not None:
             self.stats.update(self.speculator.stats)
         return outputs
+
+    def _never_fits(self, req: Request) -> RequestOutput:
+        """End a waiting request that cannot start with nothing else running: validation
+        admitted it, but the pool has shrunk since (another engine on it reserved pages)."""
+        need = self.allocator.blocks_for(req.num_tokens)
+        self._finish(req, "error", f"needs {need} KV block(s) to start, but the pool has "
+                     f"{self.allocator.num_free} free with nothing running")  # fmt: skip
+        self.stats["failed"] += 1
+        return self._output(req, ())
 
     def _run(self, host: HostStep) -> Replayed:
         """The step replayed from its graph, or run eagerly through the same forward."""

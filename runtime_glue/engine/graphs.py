@@ -15,7 +15,8 @@ with one copy: a few host calls instead of thousands of op launches
 (``runtime_glue.bench.graph_bench`` counts them).
 
 Padding rows compute garbage of their own, never anyone else's: each writes its K/V to a
-scratch slot in pages the runner takes from the pool for good, and reads only scratch pages.
+scratch slot in pages reserved in the pool (``BlockAllocator.reserve``: the same pages for every
+engine on one pool), and reads only scratch pages.
 A real row's table entries past its context repeat its first page; they are masked.
 
 Padding changes the row count of every projection. In deterministic mode the plan's kernels
@@ -72,6 +73,18 @@ def require_step_graphs(driver: Driver, plan: ExecutionPlan) -> StepGraphs:
         why = reason("step_graphs", "adaptive_depth")
         raise ValueError(f"--step-graphs cannot be combined with --adaptive-depth: {why}")
     return graphs
+
+
+def group_limits(max_num_seqs: int, spec_tokens: int | None) -> tuple[int, int, int]:
+    """The most rows of each group (generated, draft, verify) a step can hold."""
+    if spec_tokens is None:
+        return (max_num_seqs, 0, 0)
+    return (max_num_seqs, max_num_seqs, max_num_seqs * (spec_tokens + 1))
+
+
+def scratch_blocks(limits: tuple[int, int, int], block_size: int) -> int:
+    """The KV blocks the padding rows of steps up to ``limits`` write to."""
+    return -(-max(1, sum(limits) - 1) // block_size)
 
 
 def sizes_up_to(mode: str, most: int) -> tuple[int, ...]:
@@ -218,12 +231,12 @@ class StepGraphRunner:
         self.sizes = tuple(sizes_up_to(model.plan.mode, most) for most in limits)
         max_blocks = min(-(-max_model_len // bs), allocator.num_blocks)
         self.buckets = tuple(2**i for i in range(context_bucket(max_blocks).bit_length()))
-        pad_rows = max(1, sum(max(s) for s in self.sizes) - 1)
-        scratch = allocator.allocate(-(-pad_rows // bs))
+        need = scratch_blocks(limits, bs)
+        scratch = allocator.reserve(need)
         if scratch is None:
             raise ValueError(
-                f"--step-graphs needs {-(-pad_rows // bs)} scratch KV block(s) for padding "
-                f"rows, but the pool has {allocator.num_free} free"
+                f"--step-graphs needs {need} scratch KV block(s) for padding rows, but the pool "
+                f"has {allocator.num_free} free"
             )
         self.scratch = scratch
         # The cos/sin table for every position a request can reach, before any capture: a

@@ -41,6 +41,8 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unused: LRU first
         self._hash_of: dict[int, bytes] = {}  # cached page -> its hash
         self._page_of: dict[bytes, int] = {}  # hash -> the cached page holding it
+        self.reserved: list[int] = []  # pages set aside for padding rows (:meth:`reserve`)
+        self._holders = 0
 
     # -- counts ----------------------------------------------------------------------------
 
@@ -126,6 +128,27 @@ class BlockAllocator:
         for page in pages:
             self._refs[page] = 1
         return pages
+
+    def reserve(self, n: int) -> list[int] | None:
+        """``n`` pages for step graphs' padding rows, or None when the pool cannot spare them.
+        Every engine on this pool (an ``LLM`` and its variants, which run one at a time) holds
+        the same pages: the reservation grows to the largest need and is not counted again per
+        engine. The pages stay in use until the last holder calls :meth:`release_reserved`."""
+        more = n - len(self.reserved)
+        if more > 0:
+            pages = self.allocate(more)
+            if pages is None:
+                return None
+            self.reserved += pages
+        self._holders += 1
+        return self.reserved[:n]
+
+    def release_reserved(self, fence: Fence | None) -> None:
+        """A holder of the reservation no longer needs it; the last one frees its pages."""
+        self._holders -= 1
+        if self._holders == 0 and self.reserved:
+            pages, self.reserved = self.reserved, []
+            self.free_after(pages, fence)
 
     def free_after(self, pages: list[int], fence: Fence | None) -> None:
         """A request stops using ``pages``; one no request uses any more becomes reusable (free,
