@@ -94,6 +94,24 @@ def test_replicas_the_cluster_cannot_place_fail_at_once():
 
 
 @needs_ray
+def test_a_port_in_use_is_refused_before_ray_starts(tiny_ckpt):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = rlt_hal("serve", "--model", str(tiny_ckpt), "--replicas", "1", "--port", str(port),
+                       env={**os.environ, **RAY_ENV})  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"rlt-hal: error: --port {port}: 127.0.0.1:{port} is already in use (another "
+        "server?); stop it or choose another --port"
+    )
+    assert "Traceback" not in proc.stderr and "Ray instance" not in proc.stderr  # none started
+
+
+@needs_ray
 def test_the_serve_config_example_is_valid_for_ray_and_for_rlt_hal():
     import yaml
     from ray.serve.schema import ServeDeploySchema

@@ -209,6 +209,10 @@ def run(engine: EngineArgs, args: ServerArgs) -> int:
             "--ray-metrics-export-port applies to a cluster this command starts; "
             "a joined cluster's nodes take theirs from `ray start --metrics-export-port`"
         )
+    if not joined:  # the cluster's HTTP proxy will listen here: a port in use is said at once
+        from runtime_glue.server.app import listening_socket
+
+        listening_socket(args.host, args.port).close()
     ray.init(
         address=args.ray_address,
         logging_level=logging.WARNING,
