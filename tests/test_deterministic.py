@@ -26,10 +26,6 @@ def _llm(ckpt, driver_name, **kw):
     return LLM(ckpt, device=driver_name, block_size=16, num_blocks=64, deterministic=True, **kw)
 
 
-def _alone(ckpt, driver_name, prompt, params=PARAMS):
-    return _llm(ckpt, driver_name).generate([prompt], params, return_logits=True)[0]
-
-
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_chunk_size_gives_the_bits_of_full_prefill(checkpoints, driver_name, name):
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
