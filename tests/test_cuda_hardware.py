@@ -62,7 +62,8 @@ def _graph_llms(ckpt, **options):
 def test_cuda_step_graphs_replay_what_the_static_step_computes_eagerly(checkpoints, deterministic):
     """On the GPU a CUDAGraph replay runs the kernels its capture chose: the same bits as
     ``OuroModel.forward`` over the same static buffers run eagerly."""
-    from runtime_glue.engine.graphs import packed_of, picks_of, static_inputs
+    from runtime_glue.engine.graph_buffers import static_inputs
+    from runtime_glue.engine.graphs import packed_of, picks_of
 
     name = "wide-gqa-h2048-d128-L2-T2"
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])

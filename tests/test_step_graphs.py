@@ -16,6 +16,7 @@ import torch
 
 from drivers.npu.emulation import EmulatedTorchNpu
 from drivers.npu.graphs import GraphCaptureError, GraphReplayError, _npu_op
+from runtime_glue.engine import graph_buffers
 from runtime_glue.engine import graphs as engine_graphs
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
@@ -200,13 +201,13 @@ def test_an_input_copied_into_a_new_tensor_is_caught_by_the_double(tiny_ckpt, mo
     """The planted bug: a step's ids copied into a fresh tensor that the step then reads. The
     emulated graph refuses the read of a buffer its capture never saw."""
     llm = _llm(tiny_ckpt, "hf-exact", True)
-    real_load = engine_graphs._Buffers.load
+    real_load = graph_buffers.StaticBuffers.load
 
     def load_into_a_new_tensor(self, values, host):
         real_load(self, values, host)
         self.view["ids"] = self.view["ids"].clone()  # the bug
 
-    monkeypatch.setattr(engine_graphs._Buffers, "load", load_into_a_new_tensor)
+    monkeypatch.setattr(graph_buffers.StaticBuffers, "load", load_into_a_new_tensor)
     with pytest.raises(RuntimeError, match="a buffer the capture never read"):
         llm.generate([prompt_of(9)], SamplingParams(max_tokens=4, ignore_eos=True))
 
@@ -222,7 +223,7 @@ def test_an_input_copied_beside_the_static_buffer_gives_stale_tokens(tiny_ckpt, 
         self.device = self.host.clone()  # the bug: the graph's buffer keeps the old step
 
     llm = _llm(tiny_ckpt, "deterministic", True)
-    monkeypatch.setattr(engine_graphs._Buffers, "load", load_beside)
+    monkeypatch.setattr(graph_buffers.StaticBuffers, "load", load_beside)
     graphs = _run(llm, requests)
     with pytest.raises(AssertionError, match="tokens differ|logits differ"):
         _assert_same(eager, graphs)
@@ -256,7 +257,7 @@ def _stale_load(self, values, host):  # the planted bug: the step's data copied 
     [
         ((engine_graphs, "static_inputs", _diverging_exits), "exit loops"),
         (
-            (engine_graphs._Buffers, "load", _stale_load),
+            (graph_buffers.StaticBuffers, "load", _stale_load),
             "differs from the eager step in its logits",
         ),  # noqa: E501
     ],

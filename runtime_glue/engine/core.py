@@ -14,10 +14,11 @@ deterministic mode it then produces exactly the tokens it would have).
 The engine connects four seams, each a module of its own: the scheduler decides which
 requests run which rows (``scheduler``: a plan of ``step.Scheduled``), the input builder turns
 the plan into the step's inputs (``step``), the runner replays a captured graph of the step or
-runs ``OuroModel.forward`` eagerly (``graphs``), and the engine samples and applies what each
-request's rows computed. Speculative decoding (``speculative``) adds draft and verify rows
-through the scheduler and the builder; kv sharing (``shared_blocks``, ``hal.shared_kv``) adds
-generated blocks to the scheduler and per-loop addressing to the builder.
+runs ``OuroModel.forward`` eagerly (``graphs``), and the engine samples (``sampler``) and
+applies what each request's rows computed (``output``: tokens, stops, ``RequestOutput``).
+Speculative decoding (``speculative``) adds draft and verify rows through the scheduler and
+the builder; kv sharing (``shared_blocks``, ``hal.shared_kv``) adds generated blocks to the
+scheduler and per-loop addressing to the builder.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hal.interfaces import Device
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 from runtime_glue.engine.graphs import Replayed, StepGraphRunner, group_limits
 from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.output import Outputs, request_output
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampler import Sampled, Sampler
 from runtime_glue.engine.sampling import SamplingParams
@@ -41,15 +43,9 @@ from runtime_glue.engine.scheduler import EngineConfig, Scheduler
 from runtime_glue.engine.shared_blocks import SharedBlocks
 from runtime_glue.engine.speculative import SpeculativeConfig, Speculator
 from runtime_glue.engine.step import HostStep, StepBuilder
-from runtime_glue.engine.structured import (
-    CompiledGrammar,
-    GrammarCompiler,
-    StructuredOutputError,
-    StructuredSpec,
-    parse_structured,
-)
+from runtime_glue.engine.structured import GrammarCompiler
 from runtime_glue.engine.validation import InvalidRequest as InvalidRequest
-from runtime_glue.engine.validation import check_request
+from runtime_glue.engine.validation import check_request, compile_grammar
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import Admission
@@ -116,6 +112,7 @@ class Engine:
         if step_graphs is not None:
             self._start_graphs(step_graphs, speculative)
         self.sampler = Sampler(device, self.eos_token_ids, tokenizer)
+        self.outputs = Outputs(self.sampler, self.eos_token_ids, self.stats, self._finish)
         self.followers: dict[str, list[Request]] = {}  # n > 1: leader id -> who waits on it
         self._grammars = grammars
         self._compiler: GrammarCompiler | None = None
@@ -210,10 +207,11 @@ class Engine:
             salt = self.prefix_salt + b"|" + (params.cache_salt or "").encode()
             req.block_hashes = self.allocator.block_hashes(req.prompt_ids, salt)
         req.exit_mode = ExitMode.of(params, self.model.plan.exit_defaults)
-        compiled = self.grammar(params)
+        compiler = self.grammar_compiler()
+        compiled = compile_grammar(compiler, params)
         if compiled is not None:
-            assert self._compiler is not None
-            req.matcher = self._compiler.matcher(compiled)
+            assert compiler is not None
+            req.matcher = compiler.matcher(compiled)
         self.requests[request_id] = req
         leader = self.requests.get(follows) if follows is not None else None
         if leader is not None and leader.prompt_ids == req.prompt_ids and leader.in_prefill:
@@ -221,25 +219,6 @@ class Engine:
             self.followers.setdefault(leader.request_id, []).append(req)
         else:
             self.scheduler.waiting.append(req)
-
-    def grammar(self, params: SamplingParams) -> CompiledGrammar | None:
-        """The compiled grammar of ``params.structured_outputs`` (cached by spec), or None;
-        an invalid one raises InvalidRequest naming the field."""
-        spec = params.structured_outputs
-        if spec is None:
-            return None
-        compiler = self.grammar_compiler()
-        if compiler is None:
-            raise InvalidRequest(
-                "structured outputs need the engine's tokenizer (build it with LLM)",
-                "structured_outputs",
-            )
-        try:
-            if not isinstance(spec, StructuredSpec):
-                spec = parse_structured(dict(spec))
-            return compiler.compile(spec)
-        except StructuredOutputError as exc:
-            raise InvalidRequest(str(exc), exc.param) from None
 
     def grammar_compiler(self) -> GrammarCompiler | None:
         """The structured-output compiler (made on first use), or None without a tokenizer."""
@@ -314,16 +293,16 @@ class Engine:
             for s in plan:
                 self._finish(s.req, "error", f"{type(exc).__name__}: {exc}")
                 self.stats["failed"] += 1
-            return [self._output(s.req, ()) for s in plan]
+            return [request_output(s.req, ()) for s in plan]
         self.num_steps += 1
         outputs = []
         for s, mine in zip(plan, host.rows_of, strict=True):
             s.req.last_fence = fence
             rows = self._apply(s, mine, sampled, fence, host)
             if rows:
-                outputs.append(self._emit(s.req, rows, sampled))
+                outputs.append(self.outputs.emit(s.req, rows, sampled))
             elif s.req.finished:  # max_tokens 0: its prompt scored, nothing generated
-                outputs.append(self._output(s.req, ()))
+                outputs.append(request_output(s.req, ()))
             if s.entry is None and not s.req.in_prefill and s.req.request_id in self.followers:
                 outputs += self._fork(s.req, rows[-1] if rows else mine[-1], sampled, fence)
         if self.speculator is not None:
@@ -337,7 +316,7 @@ class Engine:
         self._finish(req, "error", f"needs {need} KV block(s) to start, but the pool has "
                      f"{self.allocator.num_free} free with nothing running")  # fmt: skip
         self.stats["failed"] += 1
-        return self._output(req, ())
+        return request_output(req, ())
 
     def _run(self, host: HostStep) -> Replayed:
         """The step replayed from its graph, or run eagerly through the same forward."""
@@ -352,11 +331,10 @@ class Engine:
         """What one request's rows computed; the sampled rows whose tokens it emits."""
         req = s.req
         if s.entry is None:
-            start = req.num_computed
             req.num_computed += s.n
             self.scheduler.register_prompt_blocks(req)
             if req.params.prompt_logprobs is not None:
-                self._score_prompt(req, start, mine, sampled, host)
+                self.outputs.score_prompt(req, mine, sampled, host)
             if req.num_computed < req.num_tokens or not mine:
                 return []
             if req.params.max_tokens == 0:  # only the prompt's log-probabilities were asked
@@ -379,19 +357,6 @@ class Engine:
             req.blocks = req.blocks[:keep]
         return mine[: len(accepted)]
 
-    def _score_prompt(self, req: Request, start: int, mine, sampled: Sampled, host) -> None:
-        """Each prompt row's log-probabilities of the prompt token after it (prompt position
-        0 has none: None), once per position, whatever chunks or recomputation ran them."""
-        assert sampled.logits is not None
-        if not req.prompt_logprobs:
-            req.prompt_logprobs.append(None)
-        top = req.params.prompt_logprobs or 0
-        for j in mine:
-            p = host.positions[host.sample_rows[j]]  # this row predicts position p + 1
-            if p + 1 < len(req.prompt_ids) and p + 1 == len(req.prompt_logprobs):
-                token = req.prompt_ids[p + 1]
-                req.prompt_logprobs.append(self.sampler.logprobs(sampled.logits[j], token, top))
-
     def _fork(self, leader: Request, row: int, sampled: Sampled, fence) -> list[RequestOutput]:
         """``leader``'s prompt is computed: each request following it shares its pages and
         takes its first token from the same logits row (with its own seed and history)."""
@@ -409,65 +374,5 @@ class Engine:
             if req.params.prompt_logprobs is not None:
                 req.prompt_logprobs = list(leader.prompt_logprobs)
             alone = attrs.evolve(sampled, tokens=[token] * len(sampled.tokens))
-            outputs.append(self._emit(req, [row], alone))
+            outputs.append(self.outputs.emit(req, [row], alone))
         return outputs
-
-    def _emit(self, req: Request, rows: list[int], sampled: Sampled):
-        """Append the tokens of ``rows`` to ``req``'s output until it finishes."""
-        new = []
-        for j in rows:
-            token = sampled.tokens[j]
-            if req.return_logits:
-                assert sampled.logits is not None
-                req.logits.append(sampled.logits[j].clone())
-            if req.params.logprobs is not None:
-                assert sampled.logits is not None
-                req.logprobs.append(
-                    self.sampler.logprobs(sampled.logits[j], token, req.params.logprobs)
-                )
-            if req.matcher is not None:
-                req.matcher.accept(token)
-            req.output_ids.append(token)
-            req.exit_steps.append(sampled.exit_steps[j])
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            self.stats["generated_tokens"] += 1
-            new.append(token)
-            self._check_stop(req, token)
-            if req.finished:
-                break
-        return self._output(req, tuple(new))
-
-    def _check_stop(self, req: Request, token: int) -> None:
-        params, detok = req.params, req.detokenizer
-        cut = detok.add(token) if detok is not None else None
-        stops = token in params.stop_ids(self.eos_token_ids)
-        if req.matcher is not None and req.matcher.is_terminated():
-            stops = True  # the grammar allows nothing more (ignore_eos or not)
-        if (stops or cut is not None) and len(req.output_ids) >= params.min_tokens:
-            self._finish(req, "stop")
-        elif len(req.output_ids) >= params.max_tokens:
-            self._finish(req, "length")
-        if detok is not None:
-            if req.finished:
-                detok.finish()
-            req.text = detok.text if cut is None else detok.text[:cut]
-        if req.finished and req.finish_reason != "abort":
-            self.stats["finished"] += 1
-
-    def _output(self, req: Request, new: tuple[int, ...]) -> RequestOutput:
-        return RequestOutput(
-            req.request_id,
-            new,
-            tuple(req.output_ids),
-            req.text,
-            req.finished,
-            req.finish_reason,
-            req.error,
-            len(req.prompt_ids),
-            req.arrival_time,
-            req.first_token_time,
-            tuple(req.exit_steps),
-            tuple(req.logprobs) if req.params.logprobs is not None else None,
-            tuple(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
-        )

@@ -9,7 +9,7 @@ draft, verify), padded, and a context bucket (a power of two of KV blocks). Step
 rows, weighted exits and shapes past the largest bucket run eagerly.
 
 Per step the engine builds the step once (``StepBuilder``), writes its values into the
-shape's host staging buffer, copies them into the static device buffer with one copy (and
+shape's host staging buffer (the layout: ``runtime_glue.engine.graph_buffers``), copies them into the static device buffer with one copy (and
 the verify rows' kept states with another), replays, and reads back the picks or the logits
 with one copy: a few host calls instead of thousands of op launches
 (``runtime_glue.bench.graph_bench`` counts them).
@@ -38,21 +38,25 @@ from typing import Any
 import attrs
 import torch
 
-from hal.graphs import StaticDecodeMetadata, StepGraph, StepGraphs, context_bucket
+from hal.graphs import StepGraph, StepGraphs, context_bucket
 from hal.interfaces import Device, Driver
-from hal.types import KVAddressing, check_slot_mapping
 from runtime_glue.engine.args import reason
+from runtime_glue.engine.graph_buffers import (
+    GROUPS,
+    Shape,
+    StaticBuffers,
+    sizes_up_to,
+    stage,
+    static_inputs,
+)
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.request import Request
 from runtime_glue.engine.step import HostStep, Scheduled, StepBuilder
-from runtime_glue.ouro.exits import ExitMode, ExitRule
-from runtime_glue.ouro.model import Kept, OuroModel, Span, StepInputs, StepOutput
+from runtime_glue.ouro.exits import ExitMode
+from runtime_glue.ouro.model import OuroModel, StepOutput
 from runtime_glue.ouro.plan import Admission, ExecutionPlan
 
 logger = logging.getLogger(__name__)
-
-GROUPS = ("generated", "draft", "verify")
-ROW_FIELDS = ("ids", "positions", "seq_lens", "exit_step", "use_threshold", "threshold")
 
 
 def require_step_graphs(driver: Driver, plan: ExecutionPlan) -> StepGraphs:
@@ -85,108 +89,6 @@ def group_limits(max_num_seqs: int, spec_tokens: int | None) -> tuple[int, int, 
 def scratch_blocks(limits: tuple[int, int, int], block_size: int) -> int:
     """The KV blocks the padding rows of steps up to ``limits`` write to."""
     return -(-max(1, sum(limits) - 1) // block_size)
-
-
-def sizes_up_to(mode: str, most: int) -> tuple[int, ...]:
-    """A group's captured sizes (see the module docstring for why they depend on mode)."""
-    if most < 1:
-        return (0,)
-    if mode != "deterministic":
-        return tuple(range(0, most + 1))
-    pow2 = [2**i for i in range(most.bit_length()) if 2**i <= most]
-    return tuple(sorted({0, *pow2, most}))
-
-
-@attrs.frozen
-class Shape:
-    """A captured shape: rows per group (padded) and the context bucket in blocks."""
-
-    rows: tuple[int, int, int]  # generated, draft, verify
-    blocks: int
-
-    @property
-    def total(self) -> int:
-        return sum(self.rows)
-
-
-class _Buffers:
-    """The static inputs of one shape: views of one int64 device buffer that one copy fills
-    from a (pinned) host staging buffer, and the verify rows' kept states."""
-
-    def __init__(self, shape: Shape, tables: int, model: OuroModel, device, pin: bool, early):
-        B, W = shape.total, shape.blocks
-        self.shape, self.tables = shape, tables
-        size = len(ROW_FIELDS) * B + tables * B + tables * B * W
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
-        self.device = torch.zeros(size, dtype=torch.int64, device=device)
-        self.pin = pin
-        self.view = {n: self.device[i * B : (i + 1) * B] for i, n in enumerate(ROW_FIELDS)}
-        at = len(ROW_FIELDS) * B
-        self.slots = self.device[at : at + tables * B].view(tables, B)
-        self.block_tables = self.device[at + tables * B :].view(tables, B, W)
-        g, d, v = shape.rows
-        E, H = early or 1, model.cfg.hidden_size
-        self.kept_states = torch.zeros(v, E, H, dtype=model.embed.dtype, device=device)
-        self.kept_gates = torch.zeros(v, E, dtype=model.embed.dtype, device=device)
-        self.no_gates = torch.zeros(E, dtype=model.embed.dtype, device=device)  # kept none
-        index = {
-            "all": list(range(B)),
-            "first": list(range(g + d)),
-            "second": [*range(g), *range(g + d, B)],
-            "verify": list(range(g + d, B)),
-        }
-        self.index = {
-            k: torch.tensor(i, dtype=torch.int64, device=device) for k, i in index.items()
-        }
-        second = index["second"]
-        self.index["second_at"] = torch.arange(len(second), dtype=torch.int64, device=device)
-
-    def load(self, values: list[int], host: HostStep | None) -> None:
-        """This step's data into the static buffers, in place (the graph reads them there).
-        The previous step's copy has finished: its results were read back, which waited."""
-        self.host.numpy()[:] = values
-        self.device.copy_(self.host, non_blocking=self.pin)
-        if host is not None and host.kept_states:
-            n = len(host.kept_states)
-            self.kept_states[:n].copy_(torch.stack(host.kept_states))
-            if host.gated:
-                gates = [self.no_gates if g is None else g for g in host.kept_gates]
-                self.kept_gates[:n].copy_(torch.stack(gates))
-
-
-def static_inputs(model: OuroModel, buf: _Buffers, early: int | None) -> StepInputs:
-    """The step the static buffers hold, as ``OuroModel.forward`` takes it (ops inside the
-    captured graph: the gather slots, the masks, the spans' selections)."""
-    v, bs, cfg = buf.view, model.kv.layout.block_size, model.cfg
-    num_slots = model.kv.layout.num_slots
-
-    def kv_of(rows: torch.Tensor | None) -> KVAddressing:
-        metas = []
-        for t in range(buf.tables):
-            slots, tables, lens = buf.slots[t], buf.block_tables[t], v["seq_lens"]
-            if rows is not None:
-                slots, tables, lens = (x.index_select(0, rows) for x in (slots, tables, lens))
-            metas.append(StaticDecodeMetadata.of(bs, slots, tables, lens))
-        return KVAddressing(cfg.num_hidden_layers, num_slots, tuple(metas))
-
-    B = buf.shape.total
-    rule = ExitRule(v["exit_step"], v["use_threshold"], v["threshold"], (), True)
-    every = buf.index["all"]
-    spans: tuple[Span, ...] = ()
-    kept = None
-    if early is not None:
-        first, second = buf.index["first"], buf.index["second"]
-        T = cfg.total_ut_steps
-        spans = (
-            Span(range(early), first, kv_of(first), first, first, 0),
-            Span(range(early, T), second, kv_of(second), second, buf.index["second_at"], 0),
-        )
-        verify = buf.index["verify"]
-        gates = buf.kept_gates[:, :early]
-        kept = Kept(verify, verify, buf.kept_states[:, :early], gates)
-    return StepInputs(
-        v["ids"], v["positions"], kv_of(None), every, 0, 0, 0, rule, tuple(range(B)), spans, kept
-    )
 
 
 def picks_of(out: StepOutput) -> torch.Tensor:
@@ -243,7 +145,7 @@ class StepGraphRunner:
         # graph keeps the table it saw, so it must never be reallocated afterwards.
         reach = min(max_model_len, allocator.num_blocks * bs)
         model.rope(torch.zeros(1, dtype=torch.int64, device=device.torch_device), reach)
-        self._graphs: dict[Shape, tuple[StepGraph, _Buffers, Any]] = {}
+        self._graphs: dict[Shape, tuple[StepGraph, StaticBuffers, Any]] = {}
         self.stats = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
 
     @property
@@ -276,7 +178,7 @@ class StepGraphRunner:
             self.stats["eager_steps"] += 1
             return None
         with torch.inference_mode():
-            values, real = self._values(host, shape)
+            values, real = stage(host, shape, self.scratch, self.block_size)
             entry = self._graphs.get(shape)
             if entry is None:
                 entry = self._capture(shape, values, host)
@@ -289,7 +191,7 @@ class StepGraphRunner:
 
     def _capture(self, shape: Shape, values: list[int], host: HostStep | None):
         tables = self.builder.loops if self.builder.sharing else 1
-        buf = _Buffers(shape, tables, self.model, self.device.torch_device,
+        buf = StaticBuffers(shape, tables, self.model, self.device.torch_device,
                        self.device.pin_memory, self.builder.early)  # fmt: skip
         buf.load(values, host)
         early = self.builder.early if shape.rows[1] + shape.rows[2] else None
@@ -304,58 +206,6 @@ class StepGraphRunner:
         self.stats["captures"] += 1
         logger.info("captured a %s for rows %s x %d blocks", self.label, shape.rows, shape.blocks)
         return entry
-
-    def _values(self, host: HostStep, shape: Shape) -> tuple[list[int], list[int]]:
-        """The static buffer's contents for this step (padding rows in each group read and
-        write scratch pages only), and where the step's real rows sit among the padded."""
-        W = shape.blocks
-        metas = host.kv.loops
-        rule = host.exit_columns()
-        cols: dict[str, list[int]] = {n: [] for n in ROW_FIELDS}
-        slots: list[list[int]] = [[] for _ in metas]
-        tables: list[list[int]] = [[] for _ in metas]
-        real: list[int] = []
-        start, padded = 0, 0
-        host_slots = [meta.slot_mapping.tolist() for meta in metas]  # host tensors, read once
-        host_tables = [meta.block_tables.tolist() for meta in metas]
-        for group, size in zip(GROUPS, shape.rows, strict=True):
-            n = host.groups[group]
-            for i in range(start, start + n):
-                real.append(padded + i - start)
-                self._row(cols, host, rule, i)
-                used = -(-(host.positions[i] + 1) // self.block_size)
-                for t in range(len(metas)):
-                    slots[t].append(host_slots[t][i])
-                    row = host_tables[t][i][:used]
-                    tables[t] += row + row[:1] * (W - len(row))
-            for j in range(size - n):  # padding rows: scratch pages only
-                pad = padded + n + j
-                page = self.scratch[pad // self.block_size]
-                for name, value in zip(ROW_FIELDS, (0, pad % self.block_size,
-                                       pad % self.block_size + 1, host.loops - 1, 0, 0),
-                                       strict=True):  # fmt: skip
-                    cols[name].append(value)
-                for t in range(len(metas)):
-                    slots[t].append(page * self.block_size + pad % self.block_size)
-                    tables[t] += [page] * W
-            start += n
-            padded += size
-        check_slot_mapping(slots[0], None)
-        flat = [x for n in ROW_FIELDS for x in cols[n]]
-        return flat + [x for s in slots for x in s] + [x for t in tables for x in t], real
-
-    @staticmethod
-    def _row(cols: dict[str, list[int]], host: HostStep, rule, i: int) -> None:
-        r = host.sample_rows.index(i)  # every row of a decode-only step is sampled
-        for name, value in (
-            ("ids", host.ids[i]),
-            ("positions", host.positions[i]),
-            ("seq_lens", host.positions[i] + 1),
-            ("exit_step", rule[0][r]),
-            ("use_threshold", rule[1][r]),
-            ("threshold", rule[2][r]),
-        ):
-            cols[name].append(value)
 
     def admit(self) -> Admission:
         """Capture one shape on synthetic rows (the scratch pages), replay it on other rows
@@ -382,7 +232,7 @@ class StepGraphRunner:
             with torch.inference_mode():
                 first = synthetic(False)
                 shape = Shape((rows, 0, 0), 1)
-                values, real = self._values(first, shape)
+                values, real = stage(first, shape, self.scratch, self.block_size)
                 self._capture(shape, values, first)
                 trial = synthetic(True)
                 eager = model.forward(trial.inputs(self.device.torch_device))

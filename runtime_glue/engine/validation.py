@@ -13,6 +13,13 @@ from typing import Any
 from hal.shared_kv import prompt_blocks
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.speculative import MAX_SPECULATIVE_TOKENS
+from runtime_glue.engine.structured import (
+    CompiledGrammar,
+    GrammarCompiler,
+    StructuredOutputError,
+    StructuredSpec,
+    parse_structured,
+)
 
 
 class InvalidRequest(ValueError):
@@ -38,7 +45,8 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
     if params.num_speculative_tokens:
         _check_speculation(engine, params.num_speculative_tokens)
     if params.structured_outputs is not None:
-        engine.grammar(params)  # an invalid schema, regex or grammar is refused before compute
+        # an invalid schema, regex or grammar is refused before compute
+        compile_grammar(engine.grammar_compiler(), params)
     vocab = engine.model.cfg.vocab_size
     for name, ids in (
         ("prompt", prompt_token_ids),
@@ -86,6 +94,27 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
             "--max-num-batched-tokens or set --prefill-chunk-size",
             "prompt",
         )
+
+
+def compile_grammar(
+    compiler: GrammarCompiler | None, params: SamplingParams
+) -> CompiledGrammar | None:
+    """The compiled grammar of ``params.structured_outputs`` (cached by spec), or None;
+    an invalid one raises InvalidRequest naming the field."""
+    spec = params.structured_outputs
+    if spec is None:
+        return None
+    if compiler is None:
+        raise InvalidRequest(
+            "structured outputs need the engine's tokenizer (build it with LLM)",
+            "structured_outputs",
+        )
+    try:
+        if not isinstance(spec, StructuredSpec):
+            spec = parse_structured(dict(spec))
+        return compiler.compile(spec)
+    except StructuredOutputError as exc:
+        raise InvalidRequest(str(exc), exc.param) from None
 
 
 def _check_speculation(engine: Any, k: int) -> None:

@@ -1,0 +1,180 @@
+"""The static inputs of a captured step shape (``runtime_glue.engine.graphs``): the shape, the
+device buffers a graph reads, the step they hold as ``OuroModel.forward`` takes it, and
+:func:`stage`, which lays a built step (``HostStep``) out in them.
+
+One int64 buffer holds every row field, each table's slots and block tables, so one copy from a
+(pinned) host staging buffer fills it; the verify rows' kept states take another. Padding rows
+of each group read and write scratch pages only; a real row's table entries past its context
+repeat its first page (masked).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from hal.graphs import StaticDecodeMetadata
+from hal.types import KVAddressing, check_slot_mapping
+from runtime_glue.engine.step import HostStep
+from runtime_glue.ouro.exits import ExitRule
+from runtime_glue.ouro.model import Kept, OuroModel, Span, StepInputs
+
+GROUPS = ("generated", "draft", "verify")
+ROW_FIELDS = ("ids", "positions", "seq_lens", "exit_step", "use_threshold", "threshold")
+
+
+def sizes_up_to(mode: str, most: int) -> tuple[int, ...]:
+    """A group's captured sizes (why they depend on mode: ``runtime_glue.engine.graphs``)."""
+    if most < 1:
+        return (0,)
+    if mode != "deterministic":
+        return tuple(range(0, most + 1))
+    pow2 = [2**i for i in range(most.bit_length()) if 2**i <= most]
+    return tuple(sorted({0, *pow2, most}))
+
+
+@attrs.frozen
+class Shape:
+    """A captured shape: rows per group (padded) and the context bucket in blocks."""
+
+    rows: tuple[int, int, int]  # generated, draft, verify
+    blocks: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows)
+
+
+class StaticBuffers:
+    """The static inputs of one shape: views of one int64 device buffer that one copy fills
+    from a (pinned) host staging buffer, and the verify rows' kept states."""
+
+    def __init__(self, shape: Shape, tables: int, model: OuroModel, device, pin: bool, early):
+        B, W = shape.total, shape.blocks
+        self.shape, self.tables = shape, tables
+        size = len(ROW_FIELDS) * B + tables * B + tables * B * W
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self.device = torch.zeros(size, dtype=torch.int64, device=device)
+        self.pin = pin
+        self.view = {n: self.device[i * B : (i + 1) * B] for i, n in enumerate(ROW_FIELDS)}
+        at = len(ROW_FIELDS) * B
+        self.slots = self.device[at : at + tables * B].view(tables, B)
+        self.block_tables = self.device[at + tables * B :].view(tables, B, W)
+        g, d, v = shape.rows
+        E, H = early or 1, model.cfg.hidden_size
+        self.kept_states = torch.zeros(v, E, H, dtype=model.embed.dtype, device=device)
+        self.kept_gates = torch.zeros(v, E, dtype=model.embed.dtype, device=device)
+        self.no_gates = torch.zeros(E, dtype=model.embed.dtype, device=device)  # kept none
+        index = {
+            "all": list(range(B)),
+            "first": list(range(g + d)),
+            "second": [*range(g), *range(g + d, B)],
+            "verify": list(range(g + d, B)),
+        }
+        self.index = {
+            k: torch.tensor(i, dtype=torch.int64, device=device) for k, i in index.items()
+        }
+        second = index["second"]
+        self.index["second_at"] = torch.arange(len(second), dtype=torch.int64, device=device)
+
+    def load(self, values: list[int], host: HostStep | None) -> None:
+        """This step's data into the static buffers, in place (the graph reads them there).
+        The previous step's copy has finished: its results were read back, which waited."""
+        self.host.numpy()[:] = values
+        self.device.copy_(self.host, non_blocking=self.pin)
+        if host is not None and host.kept_states:
+            n = len(host.kept_states)
+            self.kept_states[:n].copy_(torch.stack(host.kept_states))
+            if host.gated:
+                gates = [self.no_gates if g is None else g for g in host.kept_gates]
+                self.kept_gates[:n].copy_(torch.stack(gates))
+
+
+def static_inputs(model: OuroModel, buf: StaticBuffers, early: int | None) -> StepInputs:
+    """The step the static buffers hold, as ``OuroModel.forward`` takes it (ops inside the
+    captured graph: the gather slots, the masks, the spans' selections)."""
+    v, bs, cfg = buf.view, model.kv.layout.block_size, model.cfg
+    num_slots = model.kv.layout.num_slots
+
+    def kv_of(rows: torch.Tensor | None) -> KVAddressing:
+        metas = []
+        for t in range(buf.tables):
+            slots, tables, lens = buf.slots[t], buf.block_tables[t], v["seq_lens"]
+            if rows is not None:
+                slots, tables, lens = (x.index_select(0, rows) for x in (slots, tables, lens))
+            metas.append(StaticDecodeMetadata.of(bs, slots, tables, lens))
+        return KVAddressing(cfg.num_hidden_layers, num_slots, tuple(metas))
+
+    B = buf.shape.total
+    rule = ExitRule(v["exit_step"], v["use_threshold"], v["threshold"], (), True)
+    every = buf.index["all"]
+    spans: tuple[Span, ...] = ()
+    kept = None
+    if early is not None:
+        first, second = buf.index["first"], buf.index["second"]
+        T = cfg.total_ut_steps
+        spans = (
+            Span(range(early), first, kv_of(first), first, first, 0),
+            Span(range(early, T), second, kv_of(second), second, buf.index["second_at"], 0),
+        )
+        verify = buf.index["verify"]
+        gates = buf.kept_gates[:, :early]
+        kept = Kept(verify, verify, buf.kept_states[:, :early], gates)
+    return StepInputs(
+        v["ids"], v["positions"], kv_of(None), every, 0, 0, 0, rule, tuple(range(B)), spans, kept
+    )
+
+
+def stage(
+    host: HostStep, shape: Shape, scratch: list[int], block_size: int
+) -> tuple[list[int], list[int]]:
+    """The static buffer's contents for this step (padding rows in each group read and
+    write the ``scratch`` pages only), and where the step's real rows sit among the padded."""
+    W = shape.blocks
+    metas = host.kv.loops
+    rule = host.exit_columns()
+    cols: dict[str, list[int]] = {n: [] for n in ROW_FIELDS}
+    slots: list[list[int]] = [[] for _ in metas]
+    tables: list[list[int]] = [[] for _ in metas]
+    real: list[int] = []
+    start, padded = 0, 0
+    host_slots = [meta.slot_mapping.tolist() for meta in metas]  # host tensors, read once
+    host_tables = [meta.block_tables.tolist() for meta in metas]
+    for group, size in zip(GROUPS, shape.rows, strict=True):
+        n = host.groups[group]
+        for i in range(start, start + n):
+            real.append(padded + i - start)
+            _row(cols, host, rule, i)
+            used = -(-(host.positions[i] + 1) // block_size)
+            for t in range(len(metas)):
+                slots[t].append(host_slots[t][i])
+                row = host_tables[t][i][:used]
+                tables[t] += row + row[:1] * (W - len(row))
+        for j in range(size - n):  # padding rows: scratch pages only
+            pad = padded + n + j
+            page = scratch[pad // block_size]
+            for name, value in zip(ROW_FIELDS, (0, pad % block_size,
+                                   pad % block_size + 1, host.loops - 1, 0, 0),
+                                   strict=True):  # fmt: skip
+                cols[name].append(value)
+            for t in range(len(metas)):
+                slots[t].append(page * block_size + pad % block_size)
+                tables[t] += [page] * W
+        start += n
+        padded += size
+    check_slot_mapping(slots[0], None)
+    flat = [x for n in ROW_FIELDS for x in cols[n]]
+    return flat + [x for s in slots for x in s] + [x for t in tables for x in t], real
+
+
+def _row(cols: dict[str, list[int]], host: HostStep, rule, i: int) -> None:
+    r = host.sample_rows.index(i)  # every row of a decode-only step is sampled
+    for name, value in (
+        ("ids", host.ids[i]),
+        ("positions", host.positions[i]),
+        ("seq_lens", host.positions[i] + 1),
+        ("exit_step", rule[0][r]),
+        ("use_threshold", rule[1][r]),
+        ("threshold", rule[2][r]),
+    ):
+        cols[name].append(value)
