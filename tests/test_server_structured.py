@@ -388,6 +388,15 @@ def test_the_server_prewarms_the_grammar_engine(tiny_ckpt):
     assert llm.engine.grammar_compiler()._ll_tokenizer is not None
 
 
+def test_requests_without_structured_outputs_never_build_the_grammar_compiler(tiny_ckpt):
+    """The compiler loads a tokenizer of its own: only a structured request may pay for it."""
+    llm = LLM(tiny_ckpt, block_size=16, num_blocks=64)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    assert llm.engine._compiler is None
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, structured_outputs={"choice": ["a"]}))
+    assert llm.engine._compiler is not None
+
+
 def test_on_the_default_model_parse_and_a_required_call_succeed_every_time(default_server):
     client = openai.OpenAI(base_url=default_server.base + "/v1", api_key="x", max_retries=0)
     _parse_pets(client, range(4))

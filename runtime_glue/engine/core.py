@@ -85,7 +85,6 @@ class Engine:
         shared = None
         if config.kv_sharing == "last":
             shared = shared_blocks or SharedBlocks(allocator, loops)
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
         self.requests: dict[str, Request] = {}
@@ -111,8 +110,8 @@ class Engine:
         self.graph_admission: Admission | None = None  # the graphs' check on this device
         if step_graphs is not None:
             self._start_graphs(step_graphs, speculative)
-        self.sampler = Sampler(device, self.eos_token_ids, tokenizer)
-        self.outputs = Outputs(self.sampler, self.eos_token_ids, self.stats, self._finish)
+        self.sampler = Sampler(device, frozenset(eos_token_ids), tokenizer)
+        self.output = Outputs(self.sampler, self.stats, self._finish)
         self.followers: dict[str, list[Request]] = {}  # n > 1: leader id -> who waits on it
         self._grammars = grammars
         self._compiler: GrammarCompiler | None = None
@@ -145,6 +144,15 @@ class Engine:
             return
         logger.warning("step graphs refused: %s", self.graph_admission.why)
         self.allocator.release_reserved(self.device.record_fence())
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that stop a request (unless ``ignore_eos``), as the sampler bans them."""
+        return self.sampler.eos
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.sampler.eos = frozenset(ids)
 
     # -- what the scheduler holds ----------------------------------------------------------
 
@@ -207,10 +215,10 @@ class Engine:
             salt = self.prefix_salt + b"|" + (params.cache_salt or "").encode()
             req.block_hashes = self.allocator.block_hashes(req.prompt_ids, salt)
         req.exit_mode = ExitMode.of(params, self.model.plan.exit_defaults)
-        compiler = self.grammar_compiler()
-        compiled = compile_grammar(compiler, params)
-        if compiled is not None:
-            assert compiler is not None
+        if params.structured_outputs is not None:  # the compiler is made on first use
+            compiler = self.grammar_compiler()
+            compiled = compile_grammar(compiler, params)
+            assert compiler is not None and compiled is not None
             req.matcher = compiler.matcher(compiled)
         self.requests[request_id] = req
         leader = self.requests.get(follows) if follows is not None else None
@@ -300,7 +308,7 @@ class Engine:
             s.req.last_fence = fence
             rows = self._apply(s, mine, sampled, fence, host)
             if rows:
-                outputs.append(self.outputs.emit(s.req, rows, sampled))
+                outputs.append(self.output.emit(s.req, rows, sampled))
             elif s.req.finished:  # max_tokens 0: its prompt scored, nothing generated
                 outputs.append(request_output(s.req, ()))
             if s.entry is None and not s.req.in_prefill and s.req.request_id in self.followers:
@@ -334,7 +342,7 @@ class Engine:
             req.num_computed += s.n
             self.scheduler.register_prompt_blocks(req)
             if req.params.prompt_logprobs is not None:
-                self.outputs.score_prompt(req, mine, sampled, host)
+                self.output.score_prompt(req, mine, sampled, host)
             if req.num_computed < req.num_tokens or not mine:
                 return []
             if req.params.max_tokens == 0:  # only the prompt's log-probabilities were asked
@@ -374,5 +382,5 @@ class Engine:
             if req.params.prompt_logprobs is not None:
                 req.prompt_logprobs = list(leader.prompt_logprobs)
             alone = attrs.evolve(sampled, tokens=[token] * len(sampled.tokens))
-            outputs.append(self.outputs.emit(req, [row], alone))
+            outputs.append(self.output.emit(req, [row], alone))
         return outputs

@@ -9,10 +9,10 @@ draft, verify), padded, and a context bucket (a power of two of KV blocks). Step
 rows, weighted exits and shapes past the largest bucket run eagerly.
 
 Per step the engine builds the step once (``StepBuilder``), writes its values into the
-shape's host staging buffer (the layout: ``runtime_glue.engine.graph_buffers``), copies them into the static device buffer with one copy (and
-the verify rows' kept states with another), replays, and reads back the picks or the logits
-with one copy: a few host calls instead of thousands of op launches
-(``runtime_glue.bench.graph_bench`` counts them).
+shape's host staging buffer (the layout: ``runtime_glue.engine.graph_buffers``), copies them
+into the static device buffer with one copy (and the verify rows' kept states with another),
+replays, and reads back the picks or the logits with one copy: a few host calls instead of
+thousands of op launches (``runtime_glue.bench.graph_bench`` counts them).
 
 Padding rows compute garbage of their own, never anyone else's: each writes its K/V to a
 scratch slot in pages reserved in the pool (``BlockAllocator.reserve``: the same pages for every
@@ -192,7 +192,7 @@ class StepGraphRunner:
     def _capture(self, shape: Shape, values: list[int], host: HostStep | None):
         tables = self.builder.loops if self.builder.sharing else 1
         buf = StaticBuffers(shape, tables, self.model, self.device.torch_device,
-                       self.device.pin_memory, self.builder.early)  # fmt: skip
+                            self.device.pin_memory, self.builder.early)  # fmt: skip
         buf.load(values, host)
         early = self.builder.early if shape.rows[1] + shape.rows[2] else None
 

@@ -17,7 +17,7 @@ from runtime_glue.engine.sampler import Sampled, Sampler
 from runtime_glue.engine.step import HostStep
 
 
-def request_output(req: Request, new: tuple[int, ...] = ()) -> RequestOutput:
+def request_output(req: Request, new: tuple[int, ...]) -> RequestOutput:
     """``req`` as a caller sees it now; ``new``: the tokens this step gave it."""
     return RequestOutput(
         req.request_id,
@@ -37,16 +37,13 @@ def request_output(req: Request, new: tuple[int, ...] = ()) -> RequestOutput:
 
 
 class Outputs:
+    """A step's sampled rows applied to their requests. ``stats``: the engine's counters;
+    the EOS ids are the sampler's (one set stops requests and is banned before min_tokens)."""
+
     def __init__(
-        self,
-        sampler: Sampler,
-        eos_token_ids: frozenset[int],
-        stats: dict[str, int],
-        finish: Callable[[Request, str], None],
+        self, sampler: Sampler, stats: dict[str, int], finish: Callable[[Request, str], None]
     ) -> None:
-        self.sampler, self.eos_token_ids, self.stats, self.finish = (
-            sampler, eos_token_ids, stats, finish,
-        )  # fmt: skip
+        self.sampler, self.stats, self.finish = sampler, stats, finish
 
     def emit(self, req: Request, rows: list[int], sampled: Sampled) -> RequestOutput:
         """Append the tokens of ``rows`` to ``req``'s output until it finishes."""
@@ -77,7 +74,7 @@ class Outputs:
     def _check_stop(self, req: Request, token: int) -> None:
         params, detok = req.params, req.detokenizer
         cut = detok.add(token) if detok is not None else None
-        stops = token in params.stop_ids(self.eos_token_ids)
+        stops = token in params.stop_ids(self.sampler.eos)
         if req.matcher is not None and req.matcher.is_terminated():
             stops = True  # the grammar allows nothing more (ignore_eos or not)
         if (stops or cut is not None) and len(req.output_ids) >= params.min_tokens:
@@ -91,7 +88,7 @@ class Outputs:
         if req.finished and req.finish_reason != "abort":
             self.stats["finished"] += 1
 
-    def score_prompt(self, req: Request, mine: list[int], sampled: Sampled, host: HostStep):
+    def score_prompt(self, req: Request, mine: list[int], sampled: Sampled, host: HostStep) -> None:
         """Each prompt row's log-probabilities of the prompt token after it (prompt position
         0 has none: None), once per position, whatever chunks or recomputation ran them."""
         assert sampled.logits is not None
