@@ -1,0 +1,238 @@
+"""Which kernel a deterministic plan gives each op (``runtime_glue.ouro.resolve``): every
+kernel the driver offers is checked at the op's real shape for a row's bits in every call
+shape (``hal.kernels.check_rows``, on adversarial inputs), and of those that pass, the one
+whose worst ratio to the fastest over the timed row counts is smallest is chosen
+(:func:`measure`). :func:`recheck` is the start-up check of a recorded choice.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from hal.interfaces import Driver
+from hal.kernels import Kernel, adversarial_rows, adversarial_weight, check_rows
+from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.plan import (
+    GENERATED_TILE,
+    KINDS,
+    OPS,
+    PROMPT_TILE,
+    SAMPLED_OPS,
+    Measurement,
+    OpChoice,
+    hal_op,
+    row_function,
+    tile_sets,
+)
+from runtime_glue.ouro.plan_record import Recorded, now
+
+
+class DeterminismUnavailable(RuntimeError):
+    """No offered kernel keeps deterministic mode's guarantee for some op here."""
+
+
+@attrs.define
+class PlanOp:
+    """One plan op of one model: its check inputs, its timing inputs, how to call a kernel."""
+
+    name: str
+    width: int  # the length of an input row
+    weight: torch.Tensor | None  # the model's real weight (linear ops only)
+    eps: float
+    device: torch.device
+    _check_inputs: dict = attrs.field(factory=dict)
+
+    def check_call(self, fn: Callable, rows: int) -> tuple[Callable, torch.Tensor]:
+        """``(apply, x)`` for ``hal.kernels.check_rows``: adversarial inputs, ``rows`` rows."""
+        gen = torch.Generator().manual_seed(rows * 7919 + self.width)
+        if self.weight is None:
+            x = torch.randn(rows, self.width, generator=gen) * 3
+            x[:, :: max(1, self.width // 5)] *= 64.0  # large squares among small ones
+            return self.bind(fn, None), x.bfloat16().to(self.device)
+        if "w" not in self._check_inputs:  # one weight per op: it is the costly part
+            n, k = self.weight.shape
+            self._check_inputs["w"] = adversarial_weight(n, k, gen).to(self.device)
+        if rows not in self._check_inputs:
+            self._check_inputs[rows] = adversarial_rows(rows, self.width, gen).to(self.device)
+        return self.bind(fn, self._check_inputs["w"]), self._check_inputs[rows]
+
+    def timing_call(self, fn: Callable, rows: int) -> Callable[[], object]:
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, self.width, generator=gen).bfloat16().to(self.device)
+        apply = self.bind(fn, self.weight)
+        return lambda: apply(x)
+
+    def bind(self, fn: Callable, weight: torch.Tensor | None) -> Callable:
+        """``fn`` called the way the model calls this op, on rows ``x``."""
+        if self.name == "rms_norm":
+            norm_w = torch.full((self.width,), 1.25, dtype=torch.bfloat16, device=self.device)
+            return lambda x: fn(x, norm_w, self.eps)
+        if self.name == "silu_mul":
+            return fn
+        return lambda x: fn(x, weight)
+
+
+def model_ops(cfg: OuroConfig, weights: dict[str, torch.Tensor], device) -> dict[str, PlanOp]:
+    p = "model.layers.0."
+    linear = {
+        "qkv_proj": weights[p + "self_attn.qkv_proj.weight"],
+        "o_proj": weights[p + "self_attn.o_proj.weight"],
+        "gate_up_proj": weights[p + "mlp.gate_up_proj.weight"],
+        "down_proj": weights[p + "mlp.down_proj.weight"],
+        "lm_head": weights["lm_head.weight"],
+        "exit_gate": weights["model.early_exit_gate.weight"],
+    }
+    eps = cfg.rms_norm_eps
+    ops = {op: PlanOp(op, w.shape[1], w, eps, device) for op, w in linear.items()}
+    ops["rms_norm"] = PlanOp("rms_norm", cfg.hidden_size, None, eps, device)
+    ops["silu_mul"] = PlanOp("silu_mul", 2 * cfg.intermediate_size, None, eps, device)
+    return ops
+
+
+def _tile_max(kind: str, op: str) -> int:
+    return GENERATED_TILE if kind == "generated" or op in SAMPLED_OPS else PROMPT_TILE
+
+
+def _timing_rows(kind: str, op: str) -> tuple[int, ...]:
+    """Decode row counts for generated and sampled rows; prefill ones for prompt rows."""
+    return (1, 8) if kind == "generated" or op in SAMPLED_OPS else (64, 256)
+
+
+def _median_seconds(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    sync()
+    times = []
+    for _ in range(3 if time.perf_counter() - start > 0.005 else 7):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@attrs.frozen
+class _Trial:
+    """What one kernel did for one (op, largest tile): the tiles it passed, its timings."""
+
+    tiles: tuple[int, ...] | None  # None: failed every tile set
+    why: str = ""
+    seconds: tuple[tuple[int, float], ...] = ()
+
+
+def _try_kernel(op: PlanOp, kernel: Kernel, largest: int, rows, sync) -> _Trial:
+    failures = []
+    for tiles in tile_sets(largest):
+        fn = row_function(op.name, kernel, tiles)
+        apply, x = op.check_call(fn, 2 * largest)
+        why = check_rows(apply, x, tiles)
+        if why is None:
+            timed = [(r, _median_seconds(op.timing_call(fn, r), sync)) for r in rows]
+            return _Trial(tiles, seconds=tuple(timed))
+        failures.append(f"tiles {tiles[0]}..{tiles[-1]}: {why}")
+    return _Trial(None, "; ".join(failures))
+
+
+def _best(trials: dict[str, _Trial]) -> str:
+    """The kernel whose worst ratio to the fastest, over the timed row counts, is smallest."""
+    timed = {k: dict(t.seconds) for k, t in trials.items() if t.tiles is not None}
+    if len(timed) == 1:
+        return next(iter(timed))
+    rows = next(iter(timed.values())).keys()
+    fastest = {r: min(s[r] for s in timed.values()) for r in rows}
+    worst = {k: max(s[r] / fastest[r] for r in rows) for k, s in timed.items()}
+    return min(timed, key=lambda k: (worst[k], sum(timed[k].values())))
+
+
+def _candidates(driver: Driver, op: str, linear: str | None) -> tuple[list[Kernel], list[str]]:
+    usable: list[Kernel] = []
+    notes: list[str] = []
+    for kernel in driver.kernels_for(hal_op(op)):
+        if hal_op(op) == "linear" and linear is not None and kernel.name != linear:
+            continue
+        if kernel.fast_only:  # admitted by --mode fast's own check, never chosen here
+            continue
+        why = kernel.available()
+        if why is None:
+            usable.append(kernel)
+        else:
+            notes.append(f"{kernel.op} {kernel.name} cannot run here: {why}")
+    return usable, notes
+
+
+def measure(driver: Driver, ops: dict[str, PlanOp], linear: str | None) -> Recorded:
+    """Each op's kernel for each row kind: of those that pass the start-up check, the fastest
+    by ``_best``, timed here and now."""
+    chosen: dict[str, dict[str, OpChoice]] = {kind: {} for kind in KINDS}
+    measured: list[Measurement] = []
+    notes: list[str] = []
+    for kind in KINDS:
+        for op in OPS:
+            kernels, skipped = _candidates(driver, op, linear)
+            notes += [n for n in skipped if n not in notes]
+            trials = _trials(ops[op], kind, kernels, driver.device.synchronize)
+            passed = {k: t for k, t in trials.items() if t.tiles is not None}
+            if not passed:
+                tried = "; ".join(f"{k}: {t.why}" for k, t in trials.items()) or "none usable"
+                raise DeterminismUnavailable(
+                    f"no kernel gives {op} {_shape(ops[op])} a row's bits in every call shape "
+                    f"({tried})"
+                )
+            best = _best(passed)
+            chosen[kind][op] = OpChoice(best, passed[best].tiles or ())
+            for name, t in passed.items():
+                measured += [Measurement(op, kind, name, r, s) for r, s in t.seconds]
+    return Recorded(chosen, tuple(measured), tuple(notes), now())
+
+
+SLOWER = 3.0  # a kernel this many times slower than the fastest at first is not tried further
+
+
+def _trials(op: PlanOp, kind: str, kernels: list[Kernel], sync) -> dict[str, _Trial]:
+    """A trial of each kernel for ``op`` on ``kind`` rows.
+
+    Kernels more than ``SLOWER`` times slower than the fastest at the first timed row count
+    are tried only if none of the others passes the check.
+    """
+    largest = _tile_max(kind, op.name)
+    rows = _timing_rows(kind, op.name)
+    first: dict[str, float] = {}
+    if len(kernels) > 1:
+        for k in kernels:
+            fn = row_function(op.name, k, tile_sets(largest)[0])
+            first[k.name] = _median_seconds(op.timing_call(fn, rows[0]), sync)
+    fastest = min(first.values(), default=0.0)
+    order = sorted(kernels, key=lambda k: first.get(k.name, 0.0) > SLOWER * fastest)
+    trials: dict[str, _Trial] = {}
+    for k in order:
+        if first.get(k.name, 0.0) > SLOWER * fastest and any(t.tiles for t in trials.values()):
+            continue
+        trials[k.name] = _try_kernel(op, k, largest, rows, sync)
+    return trials
+
+
+def _shape(op: PlanOp) -> str:
+    return str(list(op.weight.shape)) if op.weight is not None else f"[rows, {op.width}]"
+
+
+def recheck(chosen, ops: dict[str, PlanOp], driver: Driver) -> str | None:
+    """The start-up check of recorded choices: None if every one still passes, else what
+    failed (a library or kernel that changed under the record)."""
+    for kind, choices in chosen.items():
+        for op, c in choices.items():
+            try:
+                kernel = driver.kernel(hal_op(op), c.kernel)
+            except ValueError as exc:
+                return f"{op}: {exc}"
+            if kernel.available() is not None:
+                return f"{op} {c.kernel} cannot run here: {kernel.available()}"
+            apply, x = ops[op].check_call(row_function(op, kernel, c.tiles), 2 * c.tiles[-1])
+            why = check_rows(apply, x, c.tiles)
+            if why is not None:
+                return f"{op} {_shape(ops[op])} with {c.kernel} ({kind} rows): {why}"
+    return None
