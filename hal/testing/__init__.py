@@ -6,6 +6,7 @@ Run it against a driver package (installed, registered through the ``rlt_hal`` e
 
 It checks the interfaces, KV write/read-back across planes and page boundaries, isolation
 and causality, fence semantics, each attention backend against a float64 reference within a
-stated bound (and HF-exact backends bit for bit against the shared HF-order arithmetic), and
-end-to-end greedy parity with the CPU driver on small random checkpoints.
+stated bound (and HF-exact backends bit for bit against the shared HF-order arithmetic),
+each kernel against float64 and the invariances it claims (``test_kernels``), and end-to-end
+greedy parity with the CPU driver on small random checkpoints.
 """

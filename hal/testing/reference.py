@@ -1,4 +1,5 @@
-"""Float64 attention: the yardstick the kit measures every backend against."""
+"""Float64 references: the yardsticks the kit measures every backend and kernel against, and
+the seeded inputs of its checks."""
 
 from __future__ import annotations
 
@@ -34,3 +35,8 @@ def attention_f64(q, k, v, scaling: float, context_len: int) -> torch.Tensor:
     scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
     out = scores.softmax(-1) @ v  # [1, H, S, d]
     return out[0].transpose(0, 1).reshape(s, -1)
+
+
+def rand_bf16(*shape, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Seeded normal bf16 inputs (on the CPU) of the kit's checks."""
+    return (torch.randn(*shape, generator=gen) * scale).bfloat16()

@@ -1,4 +1,6 @@
-"""Conformance checks for one driver (selected with --rlt-driver)."""
+"""Conformance checks for one driver (selected with --rlt-driver): registration, the device
+and its fences, KV planes, attention backends, kv sharing's addressing, and end-to-end
+greedy parity with the cpu driver. Its kernels' checks: ``test_kernels``."""
 
 from __future__ import annotations
 
@@ -10,18 +12,13 @@ import torch
 from hal.eager import paged_eager_attention
 from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend, Device, Driver, Fence, KVStore
-from hal.kernels import adversarial_rows, adversarial_weight, check_rows
 from hal.registry import Registry
 from hal.spec import ProbeResult
-from hal.testing.reference import ATTENTION_BOUND, attention_f64, linear_f64
+from hal.testing.reference import ATTENTION_BOUND, attention_f64, rand_bf16
 from hal.types import AttentionMetadata, KVLayout
 
 LAYOUT = KVLayout(num_planes=3, num_blocks=6, block_size=16, num_kv_heads=2, head_dim=32)
 HEADS = 4
-
-
-def _rand(*shape, gen, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).bfloat16()
 
 
 def _meta(requests, device):
@@ -45,8 +42,8 @@ def _filled_store(driver, gen):
     dev = driver.device.torch_device
     slots = torch.arange(LAYOUT.num_slots, device=dev)
     for p in range(LAYOUT.num_planes):
-        k = _rand(LAYOUT.num_slots, 2, 32, gen=gen, scale=2.0).to(dev)
-        kv.write(p, k, _rand(LAYOUT.num_slots, 2, 32, gen=gen).to(dev), slots)
+        k = rand_bf16(LAYOUT.num_slots, 2, 32, gen=gen, scale=2.0).to(dev)
+        kv.write(p, k, rand_bf16(LAYOUT.num_slots, 2, 32, gen=gen).to(dev), slots)
     return kv
 
 
@@ -90,7 +87,7 @@ def test_kv_rows_read_back_from_their_plane_across_page_boundaries(driver):
     kv = driver.create_kv_store(LAYOUT)
     dev = driver.device.torch_device
     slots = torch.tensor([15, 16, 17, 47, 48, 95], device=dev)  # pages 0|1, 2|3 and the last
-    k, v = _rand(6, 2, 32, gen=gen).to(dev), _rand(6, 2, 32, gen=gen).to(dev)
+    k, v = rand_bf16(6, 2, 32, gen=gen).to(dev), rand_bf16(6, 2, 32, gen=gen).to(dev)
     kv.write(1, k, v, slots)
     got_k, got_v = kv.gather(1, slots)
     assert got_k.shape == (1, 2, 6, 32) and got_k.is_contiguous()
@@ -112,7 +109,7 @@ def test_attention_is_within_the_stated_bound_of_float64(driver):
     gen = torch.Generator().manual_seed(1)
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
-    q = _rand(1, HEADS, 6, 32, gen=gen, scale=2.0).to(dev)
+    q = rand_bf16(1, HEADS, 6, 32, gen=gen, scale=2.0).to(dev)
     meta = _meta([(5, 11, [0]), (1, 30, [5, 2])], dev)  # the second in pages 5, then 2
     for backend, deterministic in _modes(driver):
         for plane in range(LAYOUT.num_planes):
@@ -138,7 +135,7 @@ def test_a_backends_decode_form_reads_each_rows_own_context_within_the_bound(dri
     gen = torch.Generator().manual_seed(7)
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
-    q = _rand(1, HEADS, 3, 32, gen=gen, scale=2.0).to(dev)
+    q = rand_bf16(1, HEADS, 3, 32, gen=gen, scale=2.0).to(dev)
     meta = _meta([(1, 11, [0]), (1, 30, [5, 2]), (1, 3, [4])], dev)
     static = StaticDecodeMetadata.bucketed(meta)
     assert static.context == 2 * LAYOUT.block_size  # a bucket wider than two rows' context
@@ -167,7 +164,7 @@ def test_hf_exact_backends_equal_the_shared_hf_order_bit_for_bit(driver):
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
     meta = _meta([(7, 9, [0]), (1, 20, [3, 4])], dev)
-    q = _rand(1, HEADS, 8, 32, gen=gen, scale=2.0).to(dev)
+    q = rand_bf16(1, HEADS, 8, 32, gen=gen, scale=2.0).to(dev)
     want = paged_eager_attention(q, 1, kv, meta, 32**-0.5)
     for backend in exact:
         assert torch.equal(backend.forward(q, 1, kv, meta, 32**-0.5), want), backend.name
@@ -177,7 +174,7 @@ def test_attention_reads_only_its_plane_and_its_own_requests_slots(driver):
     gen = torch.Generator().manual_seed(3)
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
-    q = _rand(1, HEADS, 5, 32, gen=gen).to(dev)
+    q = rand_bf16(1, HEADS, 5, 32, gen=gen).to(dev)
     meta = _meta([(3, 5, [0]), (2, 10, [2])], dev)  # slots 0..7 and 32..43
     for backend, deterministic in _modes(driver):
         clean = backend.forward(q, 1, kv, meta, 32**-0.5, deterministic)
@@ -204,12 +201,12 @@ def test_a_query_never_sees_later_positions(driver):
     gen = torch.Generator().manual_seed(4)
     kv = _filled_store(driver, gen)
     dev = driver.device.torch_device
-    q = _rand(1, HEADS, 8, 32, gen=gen).to(dev)
+    q = rand_bf16(1, HEADS, 8, 32, gen=gen).to(dev)
     meta = _meta([(8, 12, [0, 1])], dev)  # positions 12..19, slots 12..19
     for backend, deterministic in _modes(driver):
         before = backend.forward(q, 0, kv, meta, 32**-0.5, deterministic)
         later = torch.tensor([16, 17, 18, 19], device=dev)
-        junk = _rand(4, 2, 32, gen=gen, scale=5.0).to(dev)
+        junk = rand_bf16(4, 2, 32, gen=gen, scale=5.0).to(dev)
         kv.write(0, junk, junk, later)
         after = backend.forward(q, 0, kv, meta, 32**-0.5, deterministic)
         assert torch.equal(after[:4], before[:4]), f"{backend.name} leaked future positions"
@@ -253,8 +250,8 @@ def _shared_store(driver, gen):
     dev = driver.device.torch_device
     slots = torch.arange(SHARED_LAYOUT.num_slots, device=dev)
     for p in range(SHARED_LAYOUT.num_planes):
-        k = _rand(SHARED_LAYOUT.num_slots, 2, 32, gen=gen, scale=2.0).to(dev)
-        kv.write(p, k, _rand(SHARED_LAYOUT.num_slots, 2, 32, gen=gen).to(dev), slots)
+        k = rand_bf16(SHARED_LAYOUT.num_slots, 2, 32, gen=gen, scale=2.0).to(dev)
+        kv.write(p, k, rand_bf16(SHARED_LAYOUT.num_slots, 2, 32, gen=gen).to(dev), slots)
     return kv
 
 
@@ -298,7 +295,7 @@ def test_slots_past_a_plane_address_the_planes_after_it(driver):
     S = SHARED_LAYOUT.num_slots
     planes, slots = [1, 3, 1, 2], [15, 16, 95, 40]
     for base in (0, 1):  # rows of planes 1..3, addressed from plane 0 and from plane 1
-        k, v = _rand(4, 2, 32, gen=gen).to(dev), _rand(4, 2, 32, gen=gen).to(dev)
+        k, v = rand_bf16(4, 2, 32, gen=gen).to(dev), rand_bf16(4, 2, 32, gen=gen).to(dev)
         far = [(p - base) * S + s for p, s in zip(planes, slots, strict=True)]
         kv.write(base, k, v, torch.tensor(far, device=dev))
         got_k, got_v = kv.gather(base, torch.tensor(far, device=dev))
@@ -316,7 +313,7 @@ def test_attention_under_kv_sharing_reads_prompt_blocks_and_shared_blocks(driver
     dev = driver.device.torch_device
     addressing = _shared_addressing(dev)
     meta0 = addressing.base
-    q = _rand(1, HEADS, meta0.num_tokens, 32, gen=gen, scale=2.0).to(dev)
+    q = rand_bf16(1, HEADS, meta0.num_tokens, 32, gen=gen, scale=2.0).to(dev)
     for backend, deterministic in _modes(driver):
         for t in range(SHARED_LOOPS):
             for layer in range(SHARED_LAYERS):
@@ -344,119 +341,13 @@ def test_kv_sharing_writes_land_in_the_loop_plane_or_the_shared_block(driver):
     for t in range(SHARED_LOOPS):
         for layer in range(SHARED_LAYERS):
             meta = addressing.meta(t)
-            k = _rand(meta.num_tokens, 2, 32, gen=gen).to(dev)
+            k = rand_bf16(meta.num_tokens, 2, 32, gen=gen).to(dev)
             backend.write_kv(kv, addressing.plane(t, layer), k, k, meta)
             for r, request in enumerate(SHARED_REQUESTS):
                 start, n, ctx = meta.request(r)
                 got, _ = _shared_kv_by_hand(kv, t, layer, request, dev)
                 want = k[start : start + n].cpu()
                 assert torch.equal(got[0, :, ctx:].transpose(0, 1).cpu(), want)
-
-
-# -- kernels --------------------------------------------------------------------------------
-
-
-def _kernels(driver, op):
-    """The driver's kernels for ``op`` that can run here (unavailable ones say why, in -rs)."""
-    usable = [k for k in driver.kernels_for(op) if k.available() is None]
-    assert usable, f"{op}: not even torch's form can run"
-    return usable
-
-
-def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
-    dev = driver.device.torch_device
-    gen = torch.Generator().manual_seed(11)
-    # Row counts of decode and prefill; N and K with tails that vectorised kernels must handle.
-    for kernel in _kernels(driver, "linear"):
-        for m, n, k in ((1, 96, 64), (3, 37, 203), (40, 64, 256)):
-            x, w = _rand(m, k, gen=gen).to(dev), _rand(n, k, gen=gen).to(dev)
-            got = kernel.fn(x, w)
-            assert got.shape == (m, n) and got.dtype == torch.bfloat16, kernel.name
-            exact, bound = linear_f64(x, w)
-            worst = ((got.double().cpu() - exact).abs() - bound).max().item()
-            assert worst <= 0, f"{kernel.name}: {m}x{k} @ {k}x{n} exceeds the bound by {worst:.3g}"
-
-
-def test_every_rms_norm_kernel_is_close_to_float64(driver):
-    dev = driver.device.torch_device
-    gen = torch.Generator().manual_seed(13)
-    for kernel in _kernels(driver, "rms_norm"):
-        for n, eps, scale in ((64, 1e-6, 3.0), (203, 1e-5, 1.0), (256, 1e-2, 1e-3)):
-            x, w = _rand(16, n, gen=gen, scale=scale).to(dev), _rand(n, gen=gen).to(dev)
-            got = kernel.fn(x, w, eps)
-            assert got.shape == x.shape and got.dtype == torch.bfloat16, kernel.name
-            xd = x.double().cpu()
-            exact = w.double().cpu() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-            # HF's form rounds twice to bf16 (the normalised row, then the product): 2^-8 each.
-            err = ((got.double().cpu() - exact).abs() - exact.abs() * 2.0**-7).max().item()
-            assert err <= 1e-30, f"{kernel.name}: RMSNorm over {n} exceeds the bound by {err:.3g}"
-
-
-def test_every_silu_mul_kernel_is_close_to_float64(driver):
-    dev = driver.device.torch_device
-    gen = torch.Generator().manual_seed(14)
-    for kernel in _kernels(driver, "silu_mul"):
-        for m, i in ((1, 8), (5, 203), (16, 256)):
-            both = _rand(m, 2 * i, gen=gen, scale=4.0).to(dev)  # gate|up, as a stacked call
-            gate, up = both[:, :i], both[:, i:]
-            got = kernel.fn(gate, up)
-            assert got.shape == (m, i) and got.dtype == torch.bfloat16, kernel.name
-            g, u = gate.double().cpu(), up.double().cpu()
-            exact = g * torch.sigmoid(g) * u
-            # Two bf16 roundings (silu, then the product) and an fp32 exp: within 2^-7.
-            err = ((got.double().cpu() - exact).abs() - exact.abs() * 2.0**-7).max().item()
-            assert err <= 1e-30, f"{kernel.name}: {m}x{i} exceeds the bound by {err:.3g}"
-
-
-def test_kernels_that_claim_hf_exactness_give_the_bits_of_torchs_form(driver):
-    dev = driver.device.torch_device
-    gen = torch.Generator().manual_seed(15)
-    x, w = _rand(7, 203, gen=gen).to(dev), _rand(37, 203, gen=gen).to(dev)
-    calls = {
-        "linear": lambda fn: fn(x, w),
-        "rms_norm": lambda fn: fn(x, w[0], 1e-6),
-        "silu_mul": lambda fn: fn(x[:, :100], x[:, 100:200]),
-    }
-    for op, call in calls.items():
-        want = call(driver.kernel(op, "torch").fn)
-        for kernel in _kernels(driver, op):
-            if kernel.hf_exact:
-                assert torch.equal(call(kernel.fn), want), f"{op} {kernel.name}"
-
-
-def test_kernels_that_claim_row_invariance_keep_a_rows_bits_in_every_call(driver):
-    # Any row count, any position, beside any rows: the claim is "by construction", so it is
-    # checked on odd counts too, on inputs where any change of summation order shows.
-    dev = driver.device.torch_device
-    gen = torch.Generator().manual_seed(16)
-    counts = (1, 2, 3, 4, 5, 8, 13, 16, 31, 32)
-    x = adversarial_rows(64, 203, gen).to(dev)
-    w = adversarial_weight(37, 203, gen).to(dev)
-    calls = {
-        "linear": lambda fn: lambda rows: fn(rows, w),
-        "rms_norm": lambda fn: lambda rows: fn(rows, w[0], 1e-6),
-        "silu_mul": lambda fn: lambda rows: fn(rows[:, :101], rows[:, 101:202]),
-    }
-    for op, bind in calls.items():
-        for kernel in _kernels(driver, op):
-            if kernel.row_invariant:
-                why = check_rows(bind(kernel.fn), x, counts)
-                assert why is None, f"{op} {kernel.name} claims row invariance, but {why}"
-
-
-def test_kernels_that_claim_column_invariance_give_the_same_bits_on_stacked_weights(driver):
-    # A runtime may call these kernels once on q|k|v and gate|up; the claim must hold exactly.
-    dev = driver.device.torch_device
-    gen = torch.Generator().manual_seed(12)
-    for kernel in _kernels(driver, "linear"):
-        if not kernel.column_invariant:
-            continue
-        for m, k in ((1, 64), (5, 203), (40, 256)):
-            x = _rand(m, k, gen=gen).to(dev)
-            parts = [_rand(n, k, gen=gen).to(dev) for n in (96, 37, 37)]
-            stacked = kernel.fn(x, torch.cat(parts))
-            separate = torch.cat([kernel.fn(x, w) for w in parts], dim=-1)
-            assert torch.equal(stacked, separate), f"{kernel.name}: {m} rows x K {k}"
 
 
 # -- end to end ----------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""Conformance checks of a driver's kernels (selected with --rlt-driver): each op's kernels
+(linear, rms_norm, silu_mul) against float64 within bf16 rounding, and the claims a kernel
+makes (HF-exact bits, row invariance, column invariance on stacked weights) held exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from hal.kernels import adversarial_rows, adversarial_weight, check_rows
+from hal.testing.reference import linear_f64, rand_bf16
+
+# -- kernels --------------------------------------------------------------------------------
+
+
+def _kernels(driver, op):
+    """The driver's kernels for ``op`` that can run here (unavailable ones say why, in -rs)."""
+    usable = [k for k in driver.kernels_for(op) if k.available() is None]
+    assert usable, f"{op}: not even torch's form can run"
+    return usable
+
+
+def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(11)
+    # Row counts of decode and prefill; N and K with tails that vectorised kernels must handle.
+    for kernel in _kernels(driver, "linear"):
+        for m, n, k in ((1, 96, 64), (3, 37, 203), (40, 64, 256)):
+            x, w = rand_bf16(m, k, gen=gen).to(dev), rand_bf16(n, k, gen=gen).to(dev)
+            got = kernel.fn(x, w)
+            assert got.shape == (m, n) and got.dtype == torch.bfloat16, kernel.name
+            exact, bound = linear_f64(x, w)
+            worst = ((got.double().cpu() - exact).abs() - bound).max().item()
+            assert worst <= 0, f"{kernel.name}: {m}x{k} @ {k}x{n} exceeds the bound by {worst:.3g}"
+
+
+def test_every_rms_norm_kernel_is_close_to_float64(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(13)
+    for kernel in _kernels(driver, "rms_norm"):
+        for n, eps, scale in ((64, 1e-6, 3.0), (203, 1e-5, 1.0), (256, 1e-2, 1e-3)):
+            x, w = rand_bf16(16, n, gen=gen, scale=scale).to(dev), rand_bf16(n, gen=gen).to(dev)
+            got = kernel.fn(x, w, eps)
+            assert got.shape == x.shape and got.dtype == torch.bfloat16, kernel.name
+            xd = x.double().cpu()
+            exact = w.double().cpu() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+            # HF's form rounds twice to bf16 (the normalised row, then the product): 2^-8 each.
+            err = ((got.double().cpu() - exact).abs() - exact.abs() * 2.0**-7).max().item()
+            assert err <= 1e-30, f"{kernel.name}: RMSNorm over {n} exceeds the bound by {err:.3g}"
+
+
+def test_every_silu_mul_kernel_is_close_to_float64(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(14)
+    for kernel in _kernels(driver, "silu_mul"):
+        for m, i in ((1, 8), (5, 203), (16, 256)):
+            both = rand_bf16(m, 2 * i, gen=gen, scale=4.0).to(dev)  # gate|up, as a stacked call
+            gate, up = both[:, :i], both[:, i:]
+            got = kernel.fn(gate, up)
+            assert got.shape == (m, i) and got.dtype == torch.bfloat16, kernel.name
+            g, u = gate.double().cpu(), up.double().cpu()
+            exact = g * torch.sigmoid(g) * u
+            # Two bf16 roundings (silu, then the product) and an fp32 exp: within 2^-7.
+            err = ((got.double().cpu() - exact).abs() - exact.abs() * 2.0**-7).max().item()
+            assert err <= 1e-30, f"{kernel.name}: {m}x{i} exceeds the bound by {err:.3g}"
+
+
+def test_kernels_that_claim_hf_exactness_give_the_bits_of_torchs_form(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(15)
+    x, w = rand_bf16(7, 203, gen=gen).to(dev), rand_bf16(37, 203, gen=gen).to(dev)
+    calls = {
+        "linear": lambda fn: fn(x, w),
+        "rms_norm": lambda fn: fn(x, w[0], 1e-6),
+        "silu_mul": lambda fn: fn(x[:, :100], x[:, 100:200]),
+    }
+    for op, call in calls.items():
+        want = call(driver.kernel(op, "torch").fn)
+        for kernel in _kernels(driver, op):
+            if kernel.hf_exact:
+                assert torch.equal(call(kernel.fn), want), f"{op} {kernel.name}"
+
+
+def test_kernels_that_claim_row_invariance_keep_a_rows_bits_in_every_call(driver):
+    # Any row count, any position, beside any rows: the claim is "by construction", so it is
+    # checked on odd counts too, on inputs where any change of summation order shows.
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(16)
+    counts = (1, 2, 3, 4, 5, 8, 13, 16, 31, 32)
+    x = adversarial_rows(64, 203, gen).to(dev)
+    w = adversarial_weight(37, 203, gen).to(dev)
+    calls = {
+        "linear": lambda fn: lambda rows: fn(rows, w),
+        "rms_norm": lambda fn: lambda rows: fn(rows, w[0], 1e-6),
+        "silu_mul": lambda fn: lambda rows: fn(rows[:, :101], rows[:, 101:202]),
+    }
+    for op, bind in calls.items():
+        for kernel in _kernels(driver, op):
+            if kernel.row_invariant:
+                why = check_rows(bind(kernel.fn), x, counts)
+                assert why is None, f"{op} {kernel.name} claims row invariance, but {why}"
+
+
+def test_kernels_that_claim_column_invariance_give_the_same_bits_on_stacked_weights(driver):
+    # A runtime may call these kernels once on q|k|v and gate|up; the claim must hold exactly.
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(12)
+    for kernel in _kernels(driver, "linear"):
+        if not kernel.column_invariant:
+            continue
+        for m, k in ((1, 64), (5, 203), (40, 256)):
+            x = rand_bf16(m, k, gen=gen).to(dev)
+            parts = [rand_bf16(n, k, gen=gen).to(dev) for n in (96, 37, 37)]
+            stacked = kernel.fn(x, torch.cat(parts))
+            separate = torch.cat([kernel.fn(x, w) for w in parts], dim=-1)
+            assert torch.equal(stacked, separate), f"{kernel.name}: {m} rows x K {k}"
