@@ -1,8 +1,9 @@
 """Which kernel a deterministic plan gives each op (``runtime_glue.ouro.resolve``): every
-kernel the driver offers is checked at the op's real shape for a row's bits in every call
-shape (``hal.kernels.check_rows``, on adversarial inputs), and of those that pass, the one
-whose worst ratio to the fastest over the timed row counts is smallest is chosen
-(:func:`measure`). :func:`recheck` is the start-up check of a recorded choice.
+usable kernel the driver offers (``_candidates``; see ``SLOWER``) is checked at the op's real
+shape for a row's bits in every call shape (``hal.kernels.check_rows``, on adversarial
+inputs), and of those that pass, the one whose worst ratio to the fastest over the timed row
+counts is smallest is chosen (:func:`measure`). :func:`recheck` is the start-up check of a
+recorded choice.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The deterministic plan's kernel choices, made once per machine, model shape and flags.
 
 Where several kernels keep deterministic mode for an op, which one runs is chosen by timing
-them (``runtime_glue.ouro.resolve``), and timings move with the machine's load. A request's
+them (``runtime_glue.ouro.kernel_trials``), and timings move with the machine's load. A request's
 bits depend on that choice, so the choice itself, not the timings behind it, is what must
 last: the first engine to need it measures and records it, and every later engine of this
 machine, model shape and plan flags reuses it (after the start-up check, which is never

@@ -5,8 +5,8 @@ Where several kernels pass, :func:`resolve` times them at the op's real shapes a
 whose worst ratio to the fastest is smallest (``runtime_glue.ouro.kernel_trials``). The
 choice is recorded per machine, model shape and plan flags (``runtime_glue.ouro.plan_record``)
 and reused by every later engine: timings move with the machine's load, and a request's bits
-must not. The start-up check is never
-recorded: a recorded choice that fails it is measured again, and the plan says so.
+must not. The start-up check is never recorded: a recorded choice that fails it is measured
+again, and the plan says so.
 """
 
 from __future__ import annotations
