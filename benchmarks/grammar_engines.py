@@ -304,30 +304,10 @@ def import_seconds(module: str) -> float:
 
 
 def machine() -> dict:
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    model = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "flags": [f for f in wanted if f" {f}" in flags],
-        "load_avg": os.getloadavg(),
-        "python": platform.python_version(),
-    }
+    """The project's benchmark machine record (CPU, ISA flags, torch), with the load now."""
+    from runtime_glue.bench.engine_bench import machine as bench_machine
+
+    return {**bench_machine(), "load_avg": os.getloadavg(), "python": platform.python_version()}
 
 
 def versions(names) -> dict:
@@ -343,7 +323,7 @@ def versions(names) -> dict:
 def table(result: dict) -> str:
     m = result["machine"]
     lines = [
-        f"{m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}; load average "
+        f"{m['processor']}, {m['cpu_count']} cores, flags {' '.join(m['cpu_flags'])}; load average "
         f"{' / '.join(f'{x:.2f}' for x in m['load_avg'])} at start, "
         f"{' / '.join(f'{x:.2f}' for x in result['load_avg_end'])} at end; one thread; "
         f"vocab {result['vocab']}",
