@@ -36,6 +36,26 @@ def _alone(ckpt, driver_name, prompts, params=PARAMS, **kw):
     return [llm.generate([p], params, return_logits=True)[0] for p in prompts]
 
 
+_ALONE: dict = {}
+
+
+def _alone_once(ckpt, driver_name, prompts):
+    """``_alone`` computed once per checkpoint, driver and prompts (the chunk sizes' reference)."""
+    key = (str(ckpt), driver_name, tuple(map(tuple, prompts)))
+    if key not in _ALONE:
+        _ALONE[key] = _alone(ckpt, driver_name, prompts)
+    return _ALONE[key]
+
+
+def _skip_if_determinism_covers(driver_name: str, name: str) -> None:
+    """At Ouro-1.4B's width the cpu driver runs deterministic mode, where
+    tests/test_deterministic.py checks the same promise bit for bit (every chunk size, 7 among
+    them; requests joining and leaving a batch) on this config and the other wide one: here it
+    would be the same check again, at a minute of the suite's time."""
+    if driver_name == "cpu" and name.startswith("wide"):
+        pytest.skip("cpu at hidden 2048: test_deterministic.py checks these bits")
+
+
 def _assert_same(got, want, mode: str):
     """``got`` (batched or chunked) against ``want`` (each alone), as ``mode`` promises."""
     for g, w in zip(got, want, strict=True):
@@ -48,6 +68,7 @@ def _assert_same(got, want, mode: str):
 
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)
 def test_prompts_generated_together_match_each_generated_alone(checkpoints, driver_name, name):
+    _skip_if_determinism_covers(driver_name, name)
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
     prompts = [prompt_of(n, seed=n) for n in (3, 17, 33, 9, 40)]
     llm = LLM(ckpt, device=driver_name, block_size=16, num_blocks=32)
@@ -59,11 +80,12 @@ def test_prompts_generated_together_match_each_generated_alone(checkpoints, driv
 @pytest.mark.parametrize("chunk", [1, 7, 16, 128])
 @pytest.mark.parametrize("name", ENGINE_CONFIGS)
 def test_chunked_prefill_matches_full_prefill(checkpoints, driver_name, name, chunk):
+    _skip_if_determinism_covers(driver_name, name)
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
     prompts = [prompt_of(37, seed=1), prompt_of(20, seed=2)]
     llm = LLM(ckpt, device=driver_name, block_size=16, num_blocks=32, prefill_chunk_size=chunk)
     got = llm.generate(prompts, PARAMS, return_logits=True)
-    _assert_same(got, _alone(ckpt, driver_name, prompts), llm.mode)
+    _assert_same(got, _alone_once(ckpt, driver_name, prompts), llm.mode)
 
 
 def test_poisoning_one_requests_pages_mid_batch_leaves_the_others_untouched(tiny_ckpt, driver_name):
