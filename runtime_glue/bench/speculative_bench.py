@@ -3,7 +3,8 @@
 For each (E, K) of a grid, on one load of the weights and one KV pool: TPOT and output tokens/s
 at c=1 and c=N against plain decoding measured in the same run (runs interleaved), the
 acceptance rate (drafts accepted / drafted), tokens per verify step, and whether the greedy
-tokens equal plain decoding's. Then, per (E, K), whole rounds of one request are timed step by
+tokens equal plain decoding's (``agreement``: the share of plain decoding's tokens reproduced
+before the first difference, which is what fast mode, promising no bits, is measured by). Then, per (E, K), whole rounds of one request are timed step by
 step: the measured costs of a draft step ``d`` and of a verify step of K + 1 rows ``v`` give
 the time per token a round implies whatever the weights: ``((K + 1) d + v) / (K + 1)`` when
 every draft is accepted (K + 1 tokens per round), ``(K + 1) d + v`` when none is (one token).
@@ -148,6 +149,19 @@ def speculative(
     return report
 
 
+def agreement(got: list[dict], plain: list[dict]) -> float:
+    """The share of plain decoding's tokens that ``got`` reproduced before its first difference,
+    over every request of every run (1.0: the same outputs; a parting at a near-tie in the
+    first token of a request counts that request's whole output as lost)."""
+    same = total = 0
+    for run, base in zip(got, plain, strict=True):
+        for mine, want in zip(run["tokens"], base["tokens"], strict=True):
+            parted = (i for i, (a, b) in enumerate(zip(mine, want, strict=False)) if a != b)
+            same += next(parted, min(len(mine), len(want)))
+            total += len(want)
+    return same / total if total else 1.0
+
+
 def _med(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -186,6 +200,7 @@ def _report(llm, plain, variants, samples, costs, input_len, output_len, runs) -
                 "identical": all(
                     s["tokens"] == b["tokens"] for s, b in zip(got, by["plain"], strict=True)
                 ),
+                "agreement": agreement(got, by["plain"]),
             }
             d, v = _med(costs[(e, k)]["draft"]), _med(costs[(e, k)]["verify"])
             if d is not None and v is not None:
@@ -218,6 +233,7 @@ def markdown_speculative(report: dict) -> str:
         for g in r["grid"]:
             acc = "-" if g["acceptance"] is None else f"{g['acceptance']:.1%}"
             tpv = "-" if g["tokens_per_verify"] is None else f"{g['tokens_per_verify']:.2f}"
+            same = "yes" if g["identical"] else f"NO ({g['agreement']:.1%} agree)"
             costs = "- | - | - | -"
             if "draft_step_s" in g:
                 costs = (
@@ -229,6 +245,6 @@ def markdown_speculative(report: dict) -> str:
             lines.append(
                 f"| {g['E']} | {g['K']} | {g['tpot_s'] * 1e3:.1f} | {g['tpot_ratio']:.2f}x | "
                 f"{g['tok_s']:.2f} | {g['speedup']:.2f}x | {acc} | {tpv} | "
-                f"{'yes' if g['identical'] else 'NO'} | {costs} |"
+                f"{same} | {costs} |"
             )
     return "\n".join(lines)
