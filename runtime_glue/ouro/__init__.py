@@ -1,8 +1,9 @@
 """The Ouro model and how it runs on a driver.
 
 Owns: the checkpoint's config (``config``) and its checked loading (``checkpoint``), the looped
-executor (``model``), Ouro's exit gate (``exits``), the execution plan and its resolution on a
-device (``plan``, ``resolve``), and the toy checkpoints the tests and the default use (``toy``).
+executor (``model``, ``fused``, ``adaptive``), Ouro's exit gate (``exits``), the execution
+plan and its resolution on a device (``plan``, ``resolve``, ``kernel_trials``, ``plan_record``,
+``admission``), and the toy checkpoints the tests and the default use (``toy``, ``train``).
 
 May import: ``hal`` and the standard libraries (torch, safetensors, tokenizers). Never the
 engine, the checks, the server, the benchmarks or the command line.
