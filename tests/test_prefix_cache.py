@@ -300,7 +300,7 @@ def run_all(ckpt, pool, prompts, max_tokens, eos=None):
     that one step gave a token."""
     llm = _llm(ckpt, num_blocks=pool, max_num_seqs=8)
     if eos is not None:
-        llm.engine.eos_token_ids = eos
+        llm.engine.sampler.eos = frozenset(eos)
     reqs, most = [], 0
     for i, p in enumerate(prompts):
         params = SamplingParams(max_tokens=max_tokens(p), ignore_eos=eos is None)

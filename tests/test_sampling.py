@@ -79,13 +79,13 @@ def test_generation_stops_at_the_first_eos_unless_told_to_ignore_it(llm):
     free = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
     eos = free.token_ids[4]
     engine = llm.engine
-    saved = engine.eos_token_ids
-    engine.eos_token_ids = frozenset({eos, 999_999})  # eos_token_id may be a list
+    saved = engine.sampler.eos
+    engine.sampler.eos = frozenset({eos, 999_999})  # eos_token_id may be a list
     try:
         stopped = llm.generate(prompt, SamplingParams(max_tokens=12))[0]
         ignored = llm.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))[0]
     finally:
-        engine.eos_token_ids = saved
+        engine.sampler.eos = saved
     first = free.token_ids.index(eos)
     assert stopped.token_ids == free.token_ids[: first + 1]
     assert stopped.finish_reason == "stop"

@@ -331,7 +331,12 @@ def test_bench_speculative_reports_the_grid_against_plain_decoding(tmp_path):
     for level in report["levels"].values():
         assert [(g["E"], g["K"]) for g in level["grid"]] == [(1, 2), (3, 2)]
         for g in level["grid"]:
-            assert g["identical"] and g["agreement"] == 1.0 and g["tpot_s"] > 0 and g["tok_s"] > 0
+            assert (
+                g["identical"]
+                and g["prefix_agreement"] == 1.0
+                and g["tpot_s"] > 0
+                and g["tok_s"] > 0
+            )
             assert 1 <= g["tokens_per_verify"] <= 3
             d, v = g["draft_step_s"], g["verify_step_s"]
             assert g["tpot_at_acceptance_0_s"] == pytest.approx(3 * d + v)
@@ -339,15 +344,15 @@ def test_bench_speculative_reports_the_grid_against_plain_decoding(tmp_path):
     assert "| 1 | 2 |" in table and "yes" in table
 
 
-def test_agreement_counts_plain_decodings_tokens_reproduced_before_the_first_difference():
-    from runtime_glue.bench.speculative_bench import agreement
+def test_prefix_agreement_counts_plain_decodings_tokens_before_the_first_difference():
+    from runtime_glue.bench.speculative_bench import prefix_agreement
 
     plain = [{"tokens": [[1, 2, 3, 4], [5, 6]]}, {"tokens": [[7, 8, 9, 10]]}]
-    assert agreement(plain, plain) == 1.0
+    assert prefix_agreement(plain, plain) == 1.0
     parted = [{"tokens": [[1, 2, 0, 4], [5, 6]]}, {"tokens": [[0, 8, 9, 10]]}]
-    assert agreement(parted, plain) == (2 + 2 + 0) / 10  # what follows a parting is lost
+    assert prefix_agreement(parted, plain) == (2 + 2 + 0) / 10  # what follows a parting is lost
     short = [{"tokens": [[1, 2], [5, 6]]}, {"tokens": [[7, 8, 9, 10]]}]  # stopped early
-    assert agreement(short, plain) == 8 / 10
+    assert prefix_agreement(short, plain) == 8 / 10
 
 
 def test_bench_speculative_counts_host_calls_per_token_under_step_graphs(tmp_path, monkeypatch):

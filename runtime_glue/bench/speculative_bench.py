@@ -3,9 +3,10 @@
 For each (E, K) of a grid, on one load of the weights and one KV pool: TPOT and output tokens/s
 at c=1 and c=N against plain decoding measured in the same run (runs interleaved), the
 acceptance rate (drafts accepted / drafted), tokens per verify step, and whether the greedy
-tokens equal plain decoding's (``agreement``: the share of plain decoding's tokens reproduced
-before the first difference, which is what fast mode, promising no bits, is measured by). Then, per (E, K), whole rounds of one request are timed step by
-step: the measured costs of a draft step ``d`` and of a verify step of K + 1 rows ``v`` give
+tokens equal plain decoding's (``prefix_agreement``: the share of plain decoding's tokens
+reproduced before the first difference, which is what fast mode, promising no bits, is
+measured by; ``bench adaptive``'s ``agreement`` counts equal tokens position by position).
+Then, per (E, K), whole rounds of one request are timed step by step: the measured costs of a draft step ``d`` and of a verify step of K + 1 rows ``v`` give
 the time per token a round implies whatever the weights: ``((K + 1) d + v) / (K + 1)`` when
 every draft is accepted (K + 1 tokens per round), ``(K + 1) d + v`` when none is (one token).
 
@@ -149,10 +150,10 @@ def speculative(
     return report
 
 
-def agreement(got: list[dict], plain: list[dict]) -> float:
+def prefix_agreement(got: list[dict], plain: list[dict]) -> float:
     """The share of plain decoding's tokens that ``got`` reproduced before its first difference,
-    over every request of every run (1.0: the same outputs; a parting at a near-tie in the
-    first token of a request counts that request's whole output as lost)."""
+    over every request of every run (1.0: the same outputs; a parting in a request's first
+    token, at a near-tie say, counts that request's whole output as lost)."""
     same = total = 0
     for run, base in zip(got, plain, strict=True):
         for mine, want in zip(run["tokens"], base["tokens"], strict=True):
@@ -200,7 +201,7 @@ def _report(llm, plain, variants, samples, costs, input_len, output_len, runs) -
                 "identical": all(
                     s["tokens"] == b["tokens"] for s, b in zip(got, by["plain"], strict=True)
                 ),
-                "agreement": agreement(got, by["plain"]),
+                "prefix_agreement": prefix_agreement(got, by["plain"]),
             }
             d, v = _med(costs[(e, k)]["draft"]), _med(costs[(e, k)]["verify"])
             if d is not None and v is not None:
@@ -233,7 +234,7 @@ def markdown_speculative(report: dict) -> str:
         for g in r["grid"]:
             acc = "-" if g["acceptance"] is None else f"{g['acceptance']:.1%}"
             tpv = "-" if g["tokens_per_verify"] is None else f"{g['tokens_per_verify']:.2f}"
-            same = "yes" if g["identical"] else f"NO ({g['agreement']:.1%} agree)"
+            same = "yes" if g["identical"] else f"NO ({g['prefix_agreement']:.2%} agree)"
             costs = "- | - | - | -"
             if "draft_step_s" in g:
                 costs = (

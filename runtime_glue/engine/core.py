@@ -147,12 +147,9 @@ class Engine:
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
-        """The ids that stop a request (unless ``ignore_eos``), as the sampler bans them."""
+        """The ids that stop a request (unless ``ignore_eos``), as the sampler bans them before
+        ``min_tokens``: one set, the sampler's (a structured request's grammar has its own)."""
         return self.sampler.eos
-
-    @eos_token_ids.setter
-    def eos_token_ids(self, ids) -> None:
-        self.sampler.eos = frozenset(ids)
 
     # -- what the scheduler holds ----------------------------------------------------------
 
