@@ -6,9 +6,10 @@ acceptance rate (drafts accepted / drafted), tokens per verify step, and whether
 tokens equal plain decoding's (``prefix_agreement``: the share of plain decoding's tokens
 reproduced before the first difference, which is what fast mode, promising no bits, is
 measured by; ``bench adaptive``'s ``agreement`` counts equal tokens position by position).
-Then, per (E, K), whole rounds of one request are timed step by step: the measured costs of a draft step ``d`` and of a verify step of K + 1 rows ``v`` give
-the time per token a round implies whatever the weights: ``((K + 1) d + v) / (K + 1)`` when
-every draft is accepted (K + 1 tokens per round), ``(K + 1) d + v`` when none is (one token).
+Then, per (E, K), whole rounds of one request are timed step by step: the measured costs of a
+draft step ``d`` and of a verify step of K + 1 rows ``v`` give the time per token a round
+implies whatever the weights: ``((K + 1) d + v) / (K + 1)`` when every draft is accepted
+(K + 1 tokens per round), ``(K + 1) d + v`` when none is (one token).
 
 Prompts are held-out text of the trained checkpoint's corpus (``runtime_glue.ouro.corpus``),
 so that a trained checkpoint shows its real acceptance.

@@ -171,9 +171,13 @@ class Engine:
         return self.allocator.reserved
 
     @property
+    def pool_blocks(self) -> int:
+        """The blocks requests can have: the pool less the graphs' scratch."""
+        return self.allocator.num_blocks - len(self.reserved_blocks)
+
+    @property
     def pool_tokens(self) -> int:
-        usable = self.allocator.num_blocks - len(self.reserved_blocks)  # less graphs' scratch
-        return usable * self.allocator.block_size
+        return self.pool_blocks * self.allocator.block_size
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -83,7 +83,7 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
         raise InvalidRequest(
             f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} "
             f"tokens of KV cache, but the whole pool holds {engine.pool_tokens} tokens "
-            f"({engine.pool_tokens // engine.allocator.block_size} blocks of "
+            f"({engine.pool_blocks} blocks of "
             f"{engine.allocator.block_size})",
             "max_tokens",
         )

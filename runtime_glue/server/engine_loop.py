@@ -34,8 +34,7 @@ class EngineFailed(ApiError):
 class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        usable = engine.pool_tokens // engine.allocator.block_size  # less graph scratch
-        self.metrics = Metrics(usable, engine.model.cfg.total_ut_steps)
+        self.metrics = Metrics(engine.pool_blocks, engine.model.cfg.total_ut_steps)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
