@@ -1,12 +1,13 @@
 """Features that combine, each with the guarantee it keeps, on the EMULATED npu (a test double
 for step graphs and fused kernels, ``drivers.npu``) and cpu; and the pairs that are refused,
-from one declaration with its reason (``runtime_glue.engine.args.REFUSED``).
+from one declaration with its reason (``runtime_glue.engine.refusals.REFUSED``).
 
 - speculation x step graphs: draft and verify steps are captured; a replayed step equals the
   same step run eagerly bit for bit in every mode, and in deterministic mode speculative
   tokens and logits equal plain decoding's.
 - speculation x fast mode: no bits are promised (fast mode keeps none); greedy tokens agree
-  with plain fast-mode decoding as measured here.
+  with plain fast-mode decoding as measured in tests/test_refusals.py (every pair, every entry
+  point).
 - kv sharing x step graphs: bit for bit the sharing reference in HF-exact mode, replayed.
 - kv sharing x fast mode: the sharing arithmetic in the fused loop, within fast mode's
   tolerance of the exact plan.
@@ -17,10 +18,11 @@ from __future__ import annotations
 import pytest
 
 from runtime_glue.checks.parity import within_tolerance
-from runtime_glue.engine.args import REFUSED, EngineArgs
+from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.refusals import REFUSED, SET, check_engine
 from runtime_glue.engine.sampling import SamplingParams
-from tests.helpers import GREEDY, prompt_of
+from tests.helpers import GREEDY
 from tests.test_kv_sharing import PROMPTS, run_sharing_case
 from tests.test_step_graphs import _assert_same, _requests, _run
 
@@ -61,22 +63,6 @@ def test_in_deterministic_mode_speculation_with_graphs_keeps_plain_decodings_bit
     _assert_same(plain, _run(_npu(tiny_ckpt, "deterministic", True, **SPEC), requests))
 
 
-def _greedy_tokens(llm: LLM, prompts, n: int) -> list[tuple[int, ...]]:
-    params = SamplingParams(max_tokens=n, **GREEDY)
-    return [out.token_ids for out in llm.generate(prompts, params)]
-
-
-def test_speculation_in_fast_mode_agrees_with_plain_fast_decoding(tiny_ckpt):
-    """Fast mode keeps no bits (a verify step's GEMMs see k + 1 rows where plain decoding's
-    see one), so the guarantee is measured, not promised: on these prompts every greedy token
-    agrees (docs/benchmarks.md measures it on the trained checkpoint)."""
-    prompts = [prompt_of(6 + 5 * i, seed=30 + i) for i in range(3)]
-    plain = _greedy_tokens(_npu(tiny_ckpt, "fast", True), prompts, 16)
-    spec = _greedy_tokens(_npu(tiny_ckpt, "fast", True, **SPEC), prompts, 16)
-    same = sum(a == b for p, s in zip(plain, spec, strict=True) for a, b in zip(p, s, strict=True))
-    assert same == 16 * len(prompts), (plain, spec)
-
-
 def test_kv_sharing_replayed_from_graphs_is_the_sharing_reference_bit_for_bit(tiny_ckpt):
     llm = _npu(tiny_ckpt, "hf-exact", True, kv_sharing="last", num_blocks=16)
     run_sharing_case(llm, tiny_ckpt)
@@ -102,9 +88,9 @@ def test_kv_sharing_in_fast_mode_stays_near_the_exact_plan(tiny_ckpt):
 @pytest.mark.parametrize("refused", REFUSED, ids=lambda r: f"{r[0]}-{r[2]}")
 def test_each_refused_pair_is_refused_with_its_reason(refused):
     a, va, b, vb, why = refused
-    values = {a: 1 if va is not True and a == "speculative_loops" else va, b: vb}
+    values = {a: 1 if va is SET else va, b: 1 if vb is SET else vb}
     with pytest.raises(ValueError, match="cannot be combined with") as err:
-        EngineArgs(preset="tiny", **values).check_combinations()
+        check_engine(EngineArgs(preset="tiny", **values))
     assert why in str(err.value)
 
 
@@ -119,7 +105,7 @@ def test_each_refused_pair_is_refused_with_its_reason(refused):
     ],
 )
 def test_the_pairs_that_combine_are_not_refused(options):
-    EngineArgs(preset="tiny", **options).check_combinations()
+    check_engine(EngineArgs(preset="tiny", **options))
 
 
 def test_only_the_declared_pairs_are_refused():
@@ -127,4 +113,5 @@ def test_only_the_declared_pairs_are_refused():
         ("speculative_loops", "kv_sharing"),
         ("speculative_loops", "adaptive_depth"),
         ("step_graphs", "adaptive_depth"),
+        ("num_blocks", "kv_cache_memory"),
     }

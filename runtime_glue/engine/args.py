@@ -208,6 +208,8 @@ class EngineArgs:
         metavar="K",
     )
 
+    # Pairs the command line takes one of (the engine refuses num_blocks with kv_cache_memory:
+    # runtime_glue.engine.refusals).
     EXCLUSIVE = (("model", "preset"), ("num_blocks", "kv_cache_memory"))
 
     @classmethod
@@ -223,12 +225,6 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace | dict, **overrides: Any) -> EngineArgs:
         return from_fields(cls, args, **overrides)
 
-    def check_combinations(self) -> None:
-        """Raise a ValueError naming the first pair of options in ``REFUSED`` that is set."""
-        for a, va, b, vb, why in REFUSED:
-            if _is(getattr(self, a), va) and _is(getattr(self, b), vb):
-                raise ValueError(f"{_flag(a, va)} cannot be combined with {_flag(b, vb)}: {why}")
-
     def banner(self) -> str | None:
         """What to tell a user about the weights before loading: None when --model is given."""
         return None if self.model is not None else toy_banner(self.preset)
@@ -240,40 +236,3 @@ class EngineArgs:
         from runtime_glue.ouro.toy import cached_checkpoint
 
         return cached_checkpoint(self.preset)
-
-
-SET = object()  # in REFUSED: the option is given at all
-
-# Every pair of options that does not combine, each with its arithmetic reason: the one
-# declaration every entry point checks (EngineArgs.check_combinations). Everything else
-# combines (README, "What combines with what").
-REFUSED = (
-    (
-        "speculative_loops", SET, "kv_sharing", "last",
-        "under kv sharing a generated position's K/V is its last loop's, and a verify row "
-        "cannot see the earlier drafts' last-loop K/V (their last loop runs in the same step)",
-    ),
-    (
-        "speculative_loops", SET, "adaptive_depth", True,
-        "adaptive depth changes the model's arithmetic, and speculation verifies against the "
-        "full depth",
-    ),
-    (
-        "step_graphs", True, "adaptive_depth", True,
-        "deciding which rows leave after each loop reads the device, which a graph cannot",
-    ),
-)  # fmt: skip
-
-
-def _is(value: Any, wanted: Any) -> bool:
-    return value is not None if wanted is SET else value == wanted
-
-
-def _flag(name: str, value: Any) -> str:
-    flag = "--" + name.replace("_", "-")
-    return flag if value is True or value is SET else f"{flag} {value}"
-
-
-def reason(a: str, b: str) -> str:
-    """Why options ``a`` and ``b`` do not combine (from ``REFUSED``)."""
-    return next(why for x, _, y, _, why in REFUSED if {x, y} == {a, b})

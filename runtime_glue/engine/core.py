@@ -119,13 +119,6 @@ class Engine:
     def _speculator(self, speculative: SpeculativeConfig | None) -> Speculator | None:
         if speculative is None:
             return None
-        speculative.check(self.model.cfg.total_ut_steps)
-        if speculative.tokens >= self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"num_speculative_tokens ({speculative.tokens}) must be below "
-                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}): a verify "
-                "step computes num_speculative_tokens + 1 rows"
-            )
         speculator = Speculator(speculative, self.model.cfg.total_ut_steps)
         self.stats.update(speculator.stats)
         return speculator

@@ -39,8 +39,7 @@ import attrs
 import torch
 
 from hal.graphs import StepGraph, StepGraphs, context_bucket
-from hal.interfaces import Device, Driver
-from runtime_glue.engine.args import reason
+from hal.interfaces import Device
 from runtime_glue.engine.graph_buffers import (
     GROUPS,
     Shape,
@@ -54,29 +53,9 @@ from runtime_glue.engine.request import Request
 from runtime_glue.engine.step import HostStep, Scheduled, StepBuilder
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel, StepOutput
-from runtime_glue.ouro.plan import Admission, ExecutionPlan
+from runtime_glue.ouro.plan import Admission
 
 logger = logging.getLogger(__name__)
-
-
-def require_step_graphs(driver: Driver, plan: ExecutionPlan) -> StepGraphs:
-    """The driver's step graphs for ``plan``, or a ValueError that says why there are none."""
-    graphs = driver.step_graphs()
-    if graphs is None:
-        raise ValueError(
-            f"--step-graphs: driver {driver.name!r} offers no step graphs (cuda and npu do; "
-            "on cpu every op is already a host call)"
-        )
-    backend = driver.backend(plan.attention)
-    if not backend.step_graphs:
-        raise ValueError(
-            f"--step-graphs: attention backend {backend.name!r} has no graph-safe decode form "
-            "(hal.graphs.StaticDecodeMetadata); choose an *_eager backend"
-        )
-    if plan.adaptive_depth:
-        why = reason("step_graphs", "adaptive_depth")
-        raise ValueError(f"--step-graphs cannot be combined with --adaptive-depth: {why}")
-    return graphs
 
 
 def group_limits(max_num_seqs: int, spec_tokens: int | None) -> tuple[int, int, int]:

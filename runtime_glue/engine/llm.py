@@ -16,6 +16,7 @@ from hal.types import KVLayout, check_block_size
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.refusals import DEFAULT_SPECULATIVE_TOKENS, check_engine, why_not
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.shared_blocks import SharedBlocks
 from runtime_glue.engine.speculative import SpeculativeConfig
@@ -29,21 +30,16 @@ from runtime_glue.ouro.resolve import record_note, resolve
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
-DEFAULT_SPECULATIVE_TOKENS = 4
 
 
-def speculative_config(args: EngineArgs, cfg: OuroConfig) -> SpeculativeConfig | None:
-    """The speculative-decoding options of ``args``, checked; None when off."""
+def speculative_config(args: EngineArgs) -> SpeculativeConfig | None:
+    """The speculative-decoding options of ``args`` (checked by ``check_engine``); None: off."""
     if args.speculative_loops is None:
-        if args.num_speculative_tokens is not None:
-            raise ValueError("num_speculative_tokens needs speculative_loops (--speculative-loops)")
         return None
     tokens = args.num_speculative_tokens
-    spec = SpeculativeConfig(
+    return SpeculativeConfig(
         args.speculative_loops, DEFAULT_SPECULATIVE_TOKENS if tokens is None else tokens
     )
-    spec.check(cfg.total_ut_steps)
-    return spec
 
 
 @attrs.frozen
@@ -67,8 +63,6 @@ def pool_blocks(
     num_blocks: int | None,
     kv_cache_memory: int | None,
 ) -> int:
-    if num_blocks is not None and kv_cache_memory is not None:
-        raise ValueError("give either num_blocks or kv_cache_memory, not both")
     if num_blocks is not None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -122,16 +116,14 @@ class LLM:
         if args.dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {args.dtype!r}")
         check_block_size(args.block_size)
-        args.check_combinations()
         self.args = args
         self.model_dir = args.model_dir()
         self.config = OuroConfig.from_dir(self.model_dir)
-        self.speculative = speculative_config(args, self.config)  # refused before loading
         self.tokenizer = load_tokenizer(self.model_dir)
         registry = registry or default_registry()
         self.driver = registry.create(args.device, **(driver_options or {}))
         self.driver.device.initialize()
-        self.driver.backend(args.attention_backend)  # an unknown name fails before loading weights
+        self._check()  # an unknown backend or a refused option fails before loading weights
         weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
         cfg = self.config
         probe = KVLayout(cfg.num_planes, 1, args.block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -153,10 +145,23 @@ class LLM:
         )
         self.enable_prefix_caching = args.enable_prefix_caching
         logger.info("%s", self.kv_summary)
+        plan = self._resolve(registry)
+        self._build(plan)
+        self._next_id = 0
+
+    def _check(self) -> None:
+        """The one check every engine passes (``runtime_glue.engine.refusals``), on the
+        options this one runs with."""
+        backend = self.driver.backend(self.args.attention_backend)
+        check_engine(self.args, self.driver, backend, self.config.total_ut_steps)
+
+    def _resolve(self, registry: Registry | None = None) -> ExecutionPlan:
+        """The execution plan ``self.args`` resolve to on this driver."""
+        args = self.args
         plan = resolve(
             self.driver,
-            cfg,
-            weights,
+            self.config,
+            self.weights,
             args.attention_backend,
             args.deterministic,
             args.linear,
@@ -170,14 +175,15 @@ class LLM:
         if args.mode == "fast" and not plan.admissions:
             from runtime_glue.ouro.admission import nothing_to_admit
 
-            note = nothing_to_admit(self.driver, registry)
+            note = nothing_to_admit(self.driver, registry or default_registry())
             logger.warning("%s", note)
             plan = attrs.evolve(plan, notes=(*plan.notes, note))
-        self._build(plan)
-        self._next_id = 0
+        return plan
 
     def _build(self, plan: ExecutionPlan) -> None:
+        self._check()
         self.plan = plan
+        self.speculative = speculative_config(self.args)
         logger.info("execution plan: %s", plan.describe())
         self.model = OuroModel(self.config, self.weights, plan, self.driver, self.kv_store)
         caching = self.enable_prefix_caching
@@ -186,14 +192,13 @@ class LLM:
         graphs = None
         wanted = self.args.step_graphs
         if wanted or (wanted is None and plan.mode == "fast"):  # --mode fast: on where they can
-            from runtime_glue.engine.graphs import require_step_graphs
-
-            try:
-                graphs = require_step_graphs(self.driver, plan)
-            except ValueError as exc:
-                if wanted:
-                    raise
-                note = f"step graphs off: {exc}".replace("--step-graphs: ", "")
+            backend = self.driver.backend(plan.attention)
+            asked = attrs.evolve(self.args, step_graphs=True)
+            why = why_not(asked, self.driver, backend, self.config.total_ut_steps)
+            if why is None:
+                graphs = self.driver.step_graphs()
+            else:  # not asked for (a refusal of an asked option raised in _check)
+                note = f"step graphs off: {why}".replace("--step-graphs: ", "")
                 logger.info("%s", note)
                 plan = attrs.evolve(plan, notes=(*plan.notes, note))
         self.engine = Engine(
@@ -224,33 +229,33 @@ class LLM:
     ) -> LLM:
         """The same weights and KV pool under the plan these flags resolve to (benchmarks
         compare plans this way). Run one of the two at a time: they share the KV pool and its
-        allocator (prefix-cache entries are salted with the plan, so they never mix)."""
+        allocator (prefix-cache entries are salted with the plan, so they never mix). Refused,
+        as the constructor refuses, where the flags do not combine with this engine's."""
         other = copy.copy(self)
         defaults = self.plan.exit_defaults
-        adaptive = self.plan.adaptive_depth if adaptive_depth is None else adaptive_depth
-        plan = resolve(
-            self.driver,
-            self.config,
-            self.weights,
-            self.args.attention_backend if mode is not None else self.plan.attention,
-            deterministic,
-            linear,
-            defaults.step,
-            defaults.threshold,
-            adaptive,
+        other.args = attrs.evolve(
+            self.args,
+            deterministic=deterministic,
+            linear=linear,
+            adaptive_depth=self.plan.adaptive_depth if adaptive_depth is None else adaptive_depth,
             mode=mode,
-            block_size=self.args.block_size,
+            attention_backend=self.args.attention_backend
+            if mode is not None
+            else self.plan.attention,
+            exit_at_step=defaults.step,
+            exit_threshold=defaults.threshold,
+            remeasure_plan=False,
         )
-        other._build(plan)
+        other._check()  # before the plan's kernel trials
+        other._build(other._resolve())
         return other
 
     def with_speculation(self, loops: int | None, tokens: int | None = None) -> LLM:
         """The same weights, plan and KV pool with speculative decoding from the first
         ``loops`` loops (None: off); ``tokens`` drafts per verify (default 4). Run one of the
-        two at a time, as with :meth:`variant`."""
+        two at a time, as with :meth:`variant`; refused as the constructor refuses."""
         other = copy.copy(self)
-        args = attrs.evolve(self.args, speculative_loops=loops, num_speculative_tokens=tokens)
-        other.speculative = speculative_config(args, self.config)
+        other.args = attrs.evolve(self.args, speculative_loops=loops, num_speculative_tokens=tokens)
         other._build(self.plan)
         return other
 

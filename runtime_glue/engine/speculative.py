@@ -40,28 +40,13 @@ import torch
 
 from runtime_glue.engine.request import Request, SpecRound
 
-MAX_SPECULATIVE_TOKENS = 63  # a verify step's rows fit one generated-row tile (64)
-
 
 @attrs.frozen
 class SpeculativeConfig:
+    """Checked where engines are made (``runtime_glue.engine.refusals``)."""
+
     loops: int  # E: the draft runs loops 0 .. E-1
     tokens: int  # K: drafts per round, unless a request asks for fewer (or none)
-
-    def check(self, total_loops: int) -> None:
-        """Raise ValueError for a number of loops or tokens speculation cannot run with (the
-        options it does not combine with: ``runtime_glue.engine.args.REFUSED``)."""
-        if not 1 <= self.loops <= total_loops - 1:
-            raise ValueError(
-                f"speculative_loops must be in [1, {total_loops - 1}] (the model runs "
-                f"{total_loops} loops; the draft needs at least one, the verify step too), "
-                f"got {self.loops}"
-            )
-        if not 1 <= self.tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
-                f"got {self.tokens}"
-            )
 
     def describe(self, total_loops: int) -> str:
         return (

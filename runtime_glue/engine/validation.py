@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from hal.shared_kv import prompt_blocks
+from runtime_glue.engine.refusals import MAX_SPECULATIVE_TOKENS
 from runtime_glue.engine.sampling import SamplingParams
-from runtime_glue.engine.speculative import MAX_SPECULATIVE_TOKENS
 from runtime_glue.engine.structured import (
     CompiledGrammar,
     GrammarCompiler,

@@ -1,0 +1,122 @@
+"""Every pair of features through every entry point that builds an engine: the one refusal
+(``runtime_glue.engine.refusals``), word for word, or the tokens of the same plan with the
+features that change no bit turned off.
+
+Entry points: ``LLM(...)`` (the server and the benches build through it), ``LLM.variant``
+(which sets the mode and adaptive depth of an engine already built) and
+``LLM.with_speculation``. On the emulated npu (a test double for step graphs and fused kernels,
+``drivers.npu``), greedy; deterministic mode unless the pair has fast mode. Speculation and step
+graphs change no bit there; fast mode promises none, and its speculation agrees with plain fast
+decoding as measured on these prompts (tests/test_pairs.py says so too).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from tests.helpers import GREEDY, prompt_of
+
+FEATURES = {
+    "speculation": dict(speculative_loops=1, num_speculative_tokens=3),
+    "graphs": dict(step_graphs=True),
+    "fast": dict(mode="fast"),
+    "sharing": dict(kv_sharing="last"),
+    "adaptive": dict(adaptive_depth=True),
+}
+EXACT = ("speculation", "graphs")  # features that change no bit of the plan they run under
+PAIRS = list(itertools.combinations(FEATURES, 2))
+PROMPTS = [prompt_of(9, seed=5), prompt_of(21, seed=6)]
+BASE = dict(device="npu", block_size=16, num_blocks=48, max_num_seqs=4)
+
+
+def _options(features) -> dict:
+    options = {"mode": "deterministic", **BASE}
+    for name in features:
+        options.update(FEATURES[name])
+    return options
+
+
+def _tokens(llm: LLM) -> list[tuple[int, ...]]:
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+
+
+@pytest.fixture(scope="module")
+def built(tiny_ckpt):
+    """Engines (or the ValueError that refused them) by the features they were built with,
+    each built once per module."""
+    cache: dict = {}
+
+    def build(features: tuple[str, ...]):
+        key = tuple(sorted(features))
+        if key not in cache:
+            try:
+                cache[key] = LLM(tiny_ckpt, **_options(key))
+            except ValueError as exc:
+                cache[key] = exc
+        return cache[key]
+
+    return build
+
+
+def _through(entry: str, pair: tuple[str, str], build) -> LLM:
+    """The engine of ``pair`` built through ``entry`` (the other feature set first)."""
+    if entry == "constructor":
+        engine = build(pair)
+        if isinstance(engine, ValueError):
+            raise engine
+        return engine
+    late = "speculation" if entry == "with_speculation" else None
+    if entry == "variant":
+        late = next(f for f in pair if f in ("fast", "adaptive"))
+    [early] = [f for f in pair if f != late]
+    first = build((early,))
+    assert isinstance(first, LLM), first
+    if entry == "with_speculation":
+        return first.with_speculation(1, 3)
+    mode = "fast" if "fast" in pair else "deterministic"
+    return first.variant(mode=mode, adaptive_depth="adaptive" in pair)
+
+
+def _entries(pair) -> list[str]:
+    entries = ["constructor"]
+    if "speculation" in pair:
+        entries.append("with_speculation")
+    if {"fast", "adaptive"} & set(pair):  # what a variant sets
+        entries.append("variant")
+    return entries
+
+
+CASES = [(pair, entry) for pair in PAIRS for entry in _entries(pair)]
+
+
+@pytest.mark.parametrize("pair, entry", CASES, ids=[f"{'+'.join(p)}-{e}" for p, e in CASES])
+def test_every_pair_through_every_entry_point_is_the_one_refusal_or_the_exact_plans_tokens(
+    built, pair, entry
+):
+    constructed = built(pair)
+    if isinstance(constructed, ValueError):  # refused: every entry point says the same
+        with pytest.raises(ValueError) as err:
+            _through(entry, pair, built)
+        assert str(err.value) == str(constructed)
+        assert "cannot be combined with" in str(err.value)
+        return
+    reference = built(tuple(f for f in pair if f not in EXACT))
+    assert isinstance(reference, LLM), reference
+    assert _tokens(_through(entry, pair, built)) == _tokens(reference)
+
+
+def test_a_refused_pair_built_after_the_fact_raises_before_it_generates(built):
+    """The bug this module guards: kv sharing refused speculation at construction, but
+    ``with_speculation`` built the pair and generated other tokens than plain decoding."""
+    sharing = built(("sharing",))
+    with pytest.raises(ValueError, match="--speculative-loops cannot be combined with "
+                       "--kv-sharing last"):  # fmt: skip
+        sharing.with_speculation(1, 3)
+    speculating = built(("speculation",))
+    with pytest.raises(ValueError, match="cannot be combined with --adaptive-depth"):
+        speculating.variant(mode="deterministic", adaptive_depth=True)
