@@ -3,6 +3,9 @@
 Importing ``hal`` is cheap: it sets one environment variable and imports nothing else. Its
 names (``hal.Driver``, ``hal.DriverSpec``, ...) load their modules, and torch with them, on
 first use, so that ``rlt-hal --help`` parses without importing torch.
+
+May import: nothing. The contract stands alone: never the runtime, never a driver. Its
+conformance kit, a subpackage, declares its own list.
 """
 
 import importlib

@@ -2,6 +2,9 @@
 
 ``LLM``, ``CompletionOutput`` and ``SamplingParams`` load the engine (and torch) on first use,
 so that the command line parses, and ``--help`` answers, without importing torch.
+
+May import: ``hal`` and ``runtime_glue.engine``. Each subpackage is a layer that declares its
+own list; none reaches a driver but through the registry.
 """
 
 from typing import TYPE_CHECKING, Any

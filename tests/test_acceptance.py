@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from hal.eager import EagerBackend
-from runtime_glue.checks.acceptance import acceptance, closeness
 from runtime_glue.checks.evaluation import (
     LLMSide,
     ReferenceSide,
@@ -20,6 +19,7 @@ from runtime_glue.checks.evaluation import (
     sample_questions,
 )
 from runtime_glue.checks.reference import OuroReference
+from runtime_glue.cli.acceptance import acceptance, closeness
 from runtime_glue.engine.llm import LLM
 from tests.helpers import PerturbedBackend, registry_with, rlt_hal
 
@@ -208,7 +208,7 @@ def test_acceptance_defaults_to_the_embedded_checkpoint_and_the_auto_device(
     monkeypatch, tmp_path, capsys
 ):
     """Its --help gives --model and --device defaults; they work (no argparse "required")."""
-    from runtime_glue.checks import acceptance as part
+    from runtime_glue.cli import acceptance as part
     from runtime_glue.cli.main import main
     from runtime_glue.ouro import toy
 

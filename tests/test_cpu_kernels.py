@@ -19,7 +19,7 @@ from hal.kernels import (
     hf_rms_norm,
     hf_silu_mul,
 )
-from hal.testing.reference import ATTENTION_BOUND, attention_f64
+from hal.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVAddressing, KVLayout
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams

@@ -67,6 +67,13 @@ def test_without_config_defaults_a_request_that_chooses_nothing_reads_the_last_l
     assert set(out.exit_steps) == {llm.config.total_ut_steps - 1}
 
 
+def test_a_requests_own_exit_mode_wins_and_a_request_choosing_none_gets_the_default():
+    default = exits.ExitMode(threshold=0.6)
+    assert exits.ExitMode(step=2).or_default(default) == exits.ExitMode(step=2)
+    assert exits.ExitMode(weighted=True).or_default(default).kind == "weighted"
+    assert exits.ExitMode().or_default(default) is default
+
+
 def test_a_batch_mixing_modes_keeps_each_requests_own(gqa256, driver_name):
     prompts = [prompt_of(7 + 5 * i, seed=20 + i) for i in range(len(MODES))]
     jobs = list(zip(prompts, MODES.values(), strict=True))

@@ -206,7 +206,7 @@ def test_rlt_hal_plan_shows_each_admission(tiny_ckpt):
 
 
 def test_the_acceptance_fast_plan_part_fails_when_the_device_admits_nothing(tiny_ckpt):
-    from runtime_glue.checks.acceptance import fast_plan_part
+    from runtime_glue.cli.acceptance import fast_plan_part
 
     llm = LLM(tiny_ckpt, device="npu", driver_options={"emulate": True}, num_blocks=8)
     planted = Kernel(

@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from runtime_glue.checks.acceptance import DEFAULT_TOLERANCE, acceptance
 from runtime_glue.checks.parity import within_tolerance
 from runtime_glue.checks.reference import OuroReference
+from runtime_glue.cli.acceptance import DEFAULT_TOLERANCE, acceptance
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.ouro.config import OuroConfig

@@ -1,1 +1,4 @@
-"""Reference CPU driver: HF-order eager attention, KV writes by ``index_put_``."""
+"""Reference CPU driver: HF-order eager attention, KV writes by ``index_put_``.
+
+May import: ``hal``. Never another driver; the runtime reaches this one through the registry.
+"""

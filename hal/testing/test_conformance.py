@@ -12,9 +12,9 @@ import torch
 from hal.eager import paged_eager_attention
 from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend, Device, Driver, Fence, KVStore
+from hal.reference import ATTENTION_BOUND, attention_f64, rand_bf16
 from hal.registry import Registry
 from hal.spec import ProbeResult
-from hal.testing.reference import ATTENTION_BOUND, attention_f64, rand_bf16
 from hal.types import AttentionMetadata, KVLayout
 
 LAYOUT = KVLayout(num_planes=3, num_blocks=6, block_size=16, num_kv_heads=2, head_dim=32)

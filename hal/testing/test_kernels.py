@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hal.kernels import adversarial_rows, adversarial_weight, check_rows
-from hal.testing.reference import linear_f64, rand_bf16
+from hal.reference import linear_f64, rand_bf16
 
 # -- kernels --------------------------------------------------------------------------------
 

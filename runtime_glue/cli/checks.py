@@ -63,7 +63,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_acceptance(args: argparse.Namespace) -> int:
-    from runtime_glue.checks.acceptance import acceptance, markdown_acceptance
+    from runtime_glue.cli.acceptance import acceptance, markdown_acceptance
 
     options = EngineArgs.from_cli_args(args)
     if options.banner():

@@ -208,7 +208,8 @@ class Engine:
         if self.config.enable_prefix_caching:
             salt = self.prefix_salt + b"|" + (params.cache_salt or "").encode()
             req.block_hashes = self.allocator.block_hashes(req.prompt_ids, salt)
-        req.exit_mode = ExitMode.of(params, self.model.plan.exit_defaults)
+        own = ExitMode(params.exit_at_step, params.exit_threshold, params.weighted_exit)
+        req.exit_mode = own.or_default(self.model.plan.exit_defaults)
         if params.structured_outputs is not None:  # the compiler is made on first use
             compiler = self.grammar_compiler()
             compiled = compile_grammar(compiler, params)

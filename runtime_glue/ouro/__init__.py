@@ -7,6 +7,6 @@ plan and its resolution on a device (``plan``, ``resolve``, ``kernel_trials``, `
 ``presets``, with the training text in ``corpus``), and a long step's progress line
 (``progress``).
 
-May import: ``hal`` and the standard libraries (torch, safetensors, tokenizers). Never the
+May import: ``hal``. Beyond it only libraries (torch, safetensors, tokenizers); never the
 engine, the checks, the server, the benchmarks or the command line.
 """

@@ -3,7 +3,7 @@
 At start-up every fused kernel the driver offers (``Kernel.fast_only``) and every fused
 attention backend (``Driver.fused_backends``) is run on this device, at this model's widths,
 head counts and block size, on inputs drawn once, and compared with float64. It enters the
-plan only within the conformance kit's float64 bounds (``hal/testing``), elementwise:
+plan only within the conformance kit's float64 bounds (``hal.reference``), elementwise:
 
 - ``rms_norm`` and ``add_rms_norm``: ``|out - f64| <= 2^-7 |f64|`` (the kit's norm bound:
   two bf16 roundings); ``add_rms_norm``'s sum within one rounding, ``2^-8 |f64|``.
@@ -27,7 +27,7 @@ import torch
 from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend, Driver
 from hal.kernels import Kernel, KernelUnavailable
-from hal.testing.reference import ATTENTION_BOUND, attention_f64
+from hal.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.plan import LINEAR_OPS, OPS, Admission, ExecutionPlan, OpChoice

@@ -25,8 +25,6 @@ import struct
 import attrs
 import torch
 
-from runtime_glue.engine.sampling import SamplingParams
-
 
 @attrs.frozen
 class ExitMode:
@@ -43,10 +41,9 @@ class ExitMode:
             return "threshold"
         return "weighted" if self.weighted else "last"
 
-    @classmethod
-    def of(cls, params: SamplingParams, defaults: ExitMode) -> ExitMode:
-        own = cls(params.exit_at_step, params.exit_threshold, params.weighted_exit)
-        return own if own.kind != "last" else defaults
+    def or_default(self, default: ExitMode) -> ExitMode:
+        """This mode where it chooses an exit, else ``default`` (a request's own choice wins)."""
+        return self if self.kind != "last" else default
 
     def describe(self) -> str:
         return {

@@ -4,8 +4,8 @@ Owns: the app (``app``, its HTTP plumbing in ``http``) and its routes, the reque
 the response shapes (``render``; ``logprobs``), tool calls (``tools``), the engine loop thread,
 metrics, and Ray Serve replicas of the same app (``replicas``, the one module that imports Ray).
 
-May import: ``hal``, ``runtime_glue.ouro`` and ``runtime_glue.engine`` (an engine is built from
-``EngineArgs``). Never the command line, the checks or the benchmarks.
+May import: ``hal``, ``runtime_glue.ouro`` and ``runtime_glue.engine``. An engine is built
+from ``EngineArgs``; never the command line, the checks or the benchmarks.
 """
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # a 65536-token prompt as JSON is under 1 MiB

@@ -1,5 +1,8 @@
 """Float64 references: the yardsticks the kit measures every backend and kernel against, and
-the seeded inputs of its checks."""
+the seeded inputs of its checks.
+
+They live in hal, not in ``hal.testing``: ``--mode fast`` admits a fused kernel on the device
+by the same bounds (``runtime_glue/ouro/admission.py``), and the runtime imports no test kit."""
 
 from __future__ import annotations
 
