@@ -82,12 +82,12 @@ def test_a_loop_reading_its_own_plane_for_generated_positions_is_caught(tiny_ckp
 
 
 def test_sharing_from_a_block_too_late_is_refused_on_the_host(tiny_ckpt, monkeypatch):
-    """Planted bug: the scheduler keeps one more block of generated positions in every plane
-    than the rule says; the step's addressing refuses it before anything runs."""
-    from runtime_glue.engine import scheduler
+    """Planted bug: the KV placement keeps one more block of generated positions in every
+    plane than the rule says; the step's addressing refuses it before anything runs."""
+    from runtime_glue.engine import kv_placement
 
-    real = scheduler.prompt_blocks
-    monkeypatch.setattr(scheduler, "prompt_blocks", lambda n, bs: real(n, bs) + 1)
+    real = kv_placement.prompt_blocks
+    monkeypatch.setattr(kv_placement, "prompt_blocks", lambda n, bs: real(n, bs) + 1)
     with pytest.raises(RuntimeError, match="2 prompt blocks for a prompt of 5 tokens"):
         run_sharing_case(hf_exact(tiny_ckpt), tiny_ckpt, PROMPTS[:1], max_new=40)
 

@@ -8,7 +8,7 @@ from one declaration with its reason (``runtime_glue.engine.refusals.REFUSED``).
 - speculation x fast mode: no bits are promised (fast mode keeps none); greedy tokens agree
   with plain fast-mode decoding as measured in tests/test_refusals.py (every pair, every entry
   point).
-- kv sharing x step graphs: bit for bit the sharing reference in HF-exact mode, replayed.
+- kv sharing x step graphs: a replay is the eager step bit for bit in deterministic mode.
 - kv sharing x fast mode: the sharing arithmetic in the fused loop, within fast mode's
   tolerance of the exact plan.
 """
@@ -23,7 +23,7 @@ from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.refusals import REFUSED, SET, check_engine
 from runtime_glue.engine.sampling import SamplingParams
 from tests.helpers import GREEDY
-from tests.test_kv_sharing import PROMPTS, run_sharing_case
+from tests.test_kv_sharing import PROMPTS
 from tests.test_step_graphs import _assert_same, _requests, _run
 
 SPEC = dict(speculative_loops=1, num_speculative_tokens=3)
@@ -63,9 +63,21 @@ def test_in_deterministic_mode_speculation_with_graphs_keeps_plain_decodings_bit
     _assert_same(plain, _run(_npu(tiny_ckpt, "deterministic", True, **SPEC), requests))
 
 
-def test_kv_sharing_replayed_from_graphs_is_the_sharing_reference_bit_for_bit(tiny_ckpt):
-    llm = _npu(tiny_ckpt, "hf-exact", True, kv_sharing="last", num_blocks=16)
-    run_sharing_case(llm, tiny_ckpt)
+def test_kv_sharing_replayed_from_graphs_equals_the_same_steps_run_eagerly(tiny_ckpt):
+    """In deterministic mode the graphs' padded attention is length-invariant by construction
+    (``hal.eager.padded_attention``), so a replay is the eager step bit for bit. (In HF-exact
+    mode the eager step is the sharing reference bit for bit, tests/test_kv_sharing.py; its
+    replay pads each context to a bucket, and whether torch's bf16 softmax and matmuls keep
+    their bits over the padding depends on the CPU: on an AVX2-only EPYC one step in twelve
+    of this test's longest prompt parted in the last bits, on an AVX-512 Xeon none did.)"""
+    requests = [
+        (f"s{i}", prompt, SamplingParams(max_tokens=24, ignore_eos=True), True)
+        for i, prompt in enumerate(PROMPTS)
+    ]
+    options = dict(kv_sharing="last", num_blocks=16)
+    eager = _run(_npu(tiny_ckpt, "deterministic", False, **options), requests)
+    llm = _npu(tiny_ckpt, "deterministic", True, **options)
+    _assert_same(eager, _run(llm, requests))
     assert llm.engine.graphs.stats["graph_steps"] > 0
 
 

@@ -32,7 +32,7 @@ class SequenceRunner:
         self.llm, self.sharing = llm, sharing
         self.alloc = llm.allocator
         loops = llm.config.total_ut_steps
-        self.shared = llm.shared_blocks or SharedBlocks(self.alloc, loops)
+        self.shared = llm.placement.generated or SharedBlocks(self.alloc, loops)
 
     def _logits(self, ids: Sequence[int], ctx: int, kv: KVAddressing, prompt: bool):
         """The last row's logits (float32 ``[1, V]``) of one step of ``ids`` at ``ctx``."""

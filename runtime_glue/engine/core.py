@@ -17,8 +17,8 @@ the plan into the step's inputs (``step``), the runner replays a captured graph 
 runs ``OuroModel.forward`` eagerly (``graphs``), and the engine samples (``sampler``) and
 applies what each request's rows computed (``output``: tokens, stops, ``RequestOutput``).
 Speculative decoding (``speculative``) adds draft and verify rows through the scheduler and
-the builder; kv sharing (``shared_blocks``, ``hal.shared_kv``) adds generated blocks to the
-scheduler and per-loop addressing to the builder.
+the builder; where K/V lives (per depth, or shared decode KV) is one strategy the scheduler,
+the validation and the builder ask (``kv_placement``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from hal.interfaces import Device
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 from runtime_glue.engine.graphs import Replayed, StepGraphRunner, group_limits
 from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.kv_placement import KVPlacement, PerDepth
 from runtime_glue.engine.output import Outputs, request_output
 from runtime_glue.engine.request import Request, RequestOutput, Status
 from runtime_glue.engine.sampler import Sampled, Sampler
@@ -65,15 +66,15 @@ class Engine:
         max_model_len: int | None = None,
         prefix_salt: bytes = b"",
         step_graphs: StepGraphs | None = None,
-        shared_blocks: SharedBlocks | None = None,
+        kv: KVPlacement | None = None,
         speculative: SpeculativeConfig | None = None,
         grammars: Callable[[], GrammarCompiler] | None = None,
     ) -> None:
         """``prefix_salt``: what besides the tokens decides a block's K/V (the checkpoint, the
         execution plan); prefix-cache hashes start from it, so engines sharing one allocator
         under other plans never share a block. ``step_graphs``: capture decode-only steps
-        and replay them (``runtime_glue.engine.graphs``). ``shared_blocks``: the generated
-        blocks under kv sharing (made here from ``allocator`` when not given).
+        and replay them (``runtime_glue.engine.graphs``). ``kv``: where requests' K/V lives
+        (``runtime_glue.engine.kv_placement``; default: every plane of every position).
         ``speculative``: draft with the first loops. ``grammars``: makes the structured-output
         compiler, on first use (``runtime_glue.engine.structured``)."""
         self.model = model
@@ -81,10 +82,8 @@ class Engine:
         self.device = device
         self.allocator = allocator
         self.config = config = config or EngineConfig()
-        loops = model.cfg.total_ut_steps
-        shared = None
-        if config.kv_sharing == "last":
-            shared = shared_blocks or SharedBlocks(allocator, loops)
+        cfg = model.cfg
+        self.kv = kv or PerDepth(allocator, cfg.total_ut_steps, cfg.num_hidden_layers)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
         self.requests: dict[str, Request] = {}
@@ -100,12 +99,10 @@ class Engine:
             "forked": 0,  # requests started on another's computed prompt (n > 1)
         }
         self.speculator = self._speculator(speculative)
-        self.scheduler = Scheduler(config, allocator, shared, self.speculator, self.stats)
+        self.scheduler = Scheduler(config, allocator, self.kv, self.speculator, self.stats)
         self.scheduler.device = device.torch_device
         early = None if speculative is None else speculative.loops
-        self.builder = StepBuilder(
-            model.cfg, allocator.block_size, allocator.num_blocks, shared is not None, early
-        )
+        self.builder = StepBuilder(model.cfg, self.kv, early)
         self.graphs: StepGraphRunner | None = None
         self.graph_admission: Admission | None = None  # the graphs' check on this device
         if step_graphs is not None:
@@ -156,7 +153,8 @@ class Engine:
 
     @property
     def shared(self) -> SharedBlocks | None:
-        return self.scheduler.shared
+        """The generated blocks' allocator of the KV placement, if it has one."""
+        return self.kv.generated
 
     @property
     def reserved_blocks(self) -> list[int]:
@@ -250,11 +248,7 @@ class Engine:
 
     def audit_pages(self) -> None:
         """Check the allocator against the running requests' block tables (tests, debugging)."""
-        tables = [req.blocks for req in self.running] + [self.reserved_blocks]
-        if self.shared is not None:
-            self.shared.audit([req.gen_blocks for req in self.running])
-            tables.append(self.shared.homes)
-        self.allocator.audit(tables)
+        self.kv.audit(self.running, self.reserved_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -354,10 +348,7 @@ class Engine:
             return []
         accepted = self.speculator.verified(req, [sampled.tokens[j] for j in mine])
         req.num_computed += len(accepted)
-        keep = self.allocator.blocks_for(req.num_tokens + len(accepted))
-        if len(req.blocks) > keep:  # pages that held rejected drafts only
-            self.allocator.free_after(req.blocks[keep:], fence)
-            req.blocks = req.blocks[:keep]
+        self.kv.trim(req, req.num_tokens + len(accepted), fence)  # rejected drafts' pages
         return mine[: len(accepted)]
 
     def _fork(self, leader: Request, row: int, sampled: Sampled, fence) -> list[RequestOutput]:

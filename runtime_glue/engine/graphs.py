@@ -169,7 +169,7 @@ class StepGraphRunner:
         return _real_rows(outputs, real)
 
     def _capture(self, shape: Shape, values: list[int], host: HostStep | None):
-        tables = self.builder.loops if self.builder.sharing else 1
+        tables = self.builder.kv.tables
         buf = StaticBuffers(shape, tables, self.model, self.device.torch_device,
                             self.device.pin_memory, self.builder.early)  # fmt: skip
         buf.load(values, host)

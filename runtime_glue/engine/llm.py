@@ -16,9 +16,9 @@ from hal.types import KVLayout, check_block_size
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.kv_placement import placement_for
 from runtime_glue.engine.refusals import DEFAULT_SPECULATIVE_TOKENS, check_engine, why_not
 from runtime_glue.engine.sampling import SamplingParams
-from runtime_glue.engine.shared_blocks import SharedBlocks
 from runtime_glue.engine.speculative import SpeculativeConfig
 from runtime_glue.engine.tokenizer import load_tokenizer
 from runtime_glue.ouro.checkpoint import load_weights
@@ -133,16 +133,12 @@ class LLM:
         self.kv_layout = attrs.evolve(probe, num_blocks=blocks)
         self.weights = weights
         self.engine_config = EngineConfig(
-            args.max_num_seqs,
-            args.max_num_batched_tokens,
-            args.prefill_chunk_size,
-            kv_sharing=args.kv_sharing,
+            args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size
         )
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
-        self.allocator = BlockAllocator(blocks, args.block_size)  # shared by variants, as the pool
-        self.shared_blocks = (
-            SharedBlocks(self.allocator, cfg.total_ut_steps) if args.kv_sharing == "last" else None
-        )
+        # The pool and where requests' K/V lives in it: shared by variants.
+        self.allocator = BlockAllocator(blocks, args.block_size)
+        self.placement = placement_for(args, self.allocator, cfg)
         self.enable_prefix_caching = args.enable_prefix_caching
         logger.info("%s", self.kv_summary)
         plan = self._resolve(registry)
@@ -210,7 +206,7 @@ class LLM:
             tokenizer=self.tokenizer,
             prefix_salt=f"{self.model_dir.resolve()}|{plan.describe()}".encode(),
             step_graphs=graphs,
-            shared_blocks=self.shared_blocks,
+            kv=self.placement,
             speculative=self.speculative,
             grammars=self._grammar_compiler,
         )
@@ -282,15 +278,7 @@ class LLM:
             f"tokens over {lay.num_planes} planes, {lay.bytes_per_token} bytes/token, "
             f"{total / 2**20:.1f} MiB"
         )
-        if self.args.kv_sharing == "last":
-            loops = self.config.total_ut_steps
-            summary += (
-                f"; kv sharing last: a prompt block keeps {lay.num_planes} planes, a generated "
-                f"block {lay.num_planes // loops} (1/{loops} of a block, "
-                f"{lay.bytes_per_token // loops} bytes/token): the pool holds "
-                f"{lay.num_blocks} prompt blocks or {lay.num_blocks * loops} generated blocks"
-            )
-        return summary
+        return summary + self.placement.describe(lay)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -4,9 +4,9 @@ FCFS admission with the prefix cache, pages taken as tokens cross into them, the
 running request preempted when none can be had (``runtime_glue.engine.core`` describes the
 rules), rows ordered prompt, generated, draft, verify. It owns the waiting and running queues
 and the requests' pages, and emits each step's plan (``runtime_glue.engine.step.Scheduled``);
-speculation tells it which rows a request runs (``Speculator.entry``), and kv sharing which
-blocks are generated blocks (``SharedBlocks``). :class:`EngineConfig`: the budgets it
-schedules by."""
+speculation tells it which rows a request runs (``Speculator.entry``), and the KV placement
+what a request's positions take from the pool (``kv_placement``). :class:`EngineConfig`: the
+budgets it schedules by."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from collections import deque
 import attrs
 import torch
 
-from hal.shared_kv import check_kv_sharing, prompt_blocks
 from runtime_glue.engine.kv_manager import BlockAllocator
+from runtime_glue.engine.kv_placement import KVPlacement
 from runtime_glue.engine.request import Request, Status
-from runtime_glue.engine.shared_blocks import SharedBlocks
 from runtime_glue.engine.speculative import Entry, Speculator
 from runtime_glue.engine.step import Scheduled
 
@@ -29,10 +28,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     prefill_chunk_size: int | None = None  # None: full prefill
     enable_prefix_caching: bool = False
-    kv_sharing: str = "none"  # "last": generated positions keep L shared planes (hal.shared_kv)
 
     def __attrs_post_init__(self) -> None:
-        check_kv_sharing(self.kv_sharing)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -51,13 +48,13 @@ class Scheduler:
         self,
         config: EngineConfig,
         allocator: BlockAllocator,
-        shared: SharedBlocks | None,
+        kv: KVPlacement,
         speculator: Speculator | None,
         stats: dict[str, int],
     ) -> None:
         self.config = config
         self.allocator = allocator
-        self.shared = shared
+        self.kv = kv
         self.speculator = speculator
         self.stats = stats  # the engine's counters: preemptions, prefix-cache queries and hits
         self.waiting: deque[Request] = deque()
@@ -77,7 +74,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
-        self._release(req)
+        self.kv.release(req, req.last_fence)
 
     def _schedule(self) -> list[tuple[Request, int]]:
         budget = self.config.max_num_batched_tokens
@@ -122,51 +119,20 @@ class Scheduler:
         start, chunk = req.num_computed, self.config.prefill_chunk_size
         end = req.num_tokens if start >= len(req.prompt_ids) else len(req.prompt_ids)
         pending = end - start
-        if self.shared is not None and start >= len(req.prompt_ids):
-            # Under kv sharing a generated position must see the earlier ones' last-loop K/V,
-            # which a chunk of them computed together does not have yet: one at a time.
-            return min(1, pending, budget)
+        limit = self.kv.chunk_limit(req)
+        if limit is not None:
+            return min(limit, pending, budget)
         if chunk is None and req.in_prefill:
             return pending if pending <= budget else 0  # full prefill, or not this step
         return min(pending, chunk or pending, budget)
 
-    def _needs(self, req: Request, tokens: int) -> tuple[int, int]:
-        """The prompt blocks and generated blocks ``req`` lacks for its first ``tokens``
-        positions. Without kv sharing every block is a prompt block; with it, the blocks the
-        prompt reaches are (its last one also holds the first generated positions) and the
-        later ones are generated blocks (``hal.shared_kv``)."""
-        blocks = self.allocator.blocks_for(tokens)
-        split = blocks
-        if self.shared is not None:
-            split = min(blocks, prompt_blocks(len(req.prompt_ids), self.allocator.block_size))
-        return max(0, split - len(req.blocks)), max(0, blocks - split - len(req.gen_blocks))
-
-    def _take(self, req: Request, tokens: int) -> bool:
-        """Allocate the blocks ``req`` lacks for its first ``tokens`` positions: all or none."""
-        need, gen_need = self._needs(req, tokens)
-        pages = self.allocator.allocate(need) if need else []
-        if pages is None:
-            return False
-        if gen_need:
-            assert self.shared is not None
-            gen = self.shared.allocate(gen_need)
-            if gen is None:
-                self.allocator.free_after(pages, None)  # never used
-                return False
-            req.gen_blocks += gen
-        req.blocks += pages
-        return True
-
     def _pages_for(self, req: Request, tokens: int) -> bool:
         """Give ``req`` pages for its first ``tokens`` positions, preempting the newest running
         requests while none can be had; False if ``req`` itself was preempted."""
-        while not self._take(req, tokens):
-            pending = self.allocator.num_pending + (self.shared.num_pending if self.shared else 0)
-            if pending:  # a finished request's pages, still fenced
-                if self.shared is not None:
-                    self.shared.reclaim(wait=True)
-                self.allocator.reclaim(wait=True)
-                if self._take(req, tokens):
+        while not self.kv.take(req, tokens):
+            if self.kv.num_pending:  # a finished request's pages, still fenced
+                self.kv.reclaim(wait=True)
+                if self.kv.take(req, tokens):
                     return True
             victim = self.running[-1]
             self._preempt(victim)
@@ -174,18 +140,10 @@ class Scheduler:
                 return False
         return True
 
-    def _release(self, req: Request) -> None:
-        if req.blocks:
-            self.allocator.free_after(req.blocks, req.last_fence)
-        if req.gen_blocks:
-            assert self.shared is not None
-            self.shared.free_after(req.gen_blocks, req.last_fence)
-        req.blocks, req.gen_blocks = [], []
-
     def _preempt(self, req: Request) -> None:
         """Release ``req``'s pages and queue it first, to be recomputed from its cached prefix."""
         self.running.remove(req)
-        self._release(req)
+        self.kv.release(req, req.last_fence)
         req.num_computed, req.registered = 0, 0
         req.spec = None  # its drafts go; it is recomputed from its verified tokens
         req.status = Status.WAITING
@@ -203,23 +161,11 @@ class Scheduler:
             usable = (len(req.prompt_ids) - 1) // self.allocator.block_size
             cached = self.allocator.cached_prefix(req.block_hashes[:usable])
             self.stats["prefix_cache_queries"] += usable * self.allocator.block_size
-        need, gen_need = self._needs(req, req.num_tokens)
-        need -= len(cached)
         self.allocator.share(cached)  # before allocating, so none of them is evicted
-        fresh: list[int] | None = None
-        gen: list[int] | None = None
-        self.allocator.reclaim()
-        if self.shared is None and need + len(self.running) <= self.allocator.num_free:
-            fresh, gen = self.allocator.allocate(need), []
-        elif self.shared is not None and self.shared.fits(need, gen_need + len(self.running)):
-            fresh, gen = self.allocator.allocate(need), self.shared.allocate(gen_need)
-        if fresh is None or gen is None:
-            self.allocator.free_after(cached + (fresh or []), None)
-            if gen and self.shared is not None:
-                self.shared.free_after(gen, None)
+        if not self.kv.admit(req, cached, len(self.running)):
+            self.allocator.free_after(cached, None)
             return False
         self.waiting.popleft()
-        req.blocks, req.gen_blocks = cached + fresh, gen
         req.num_computed = req.registered = len(cached) * self.allocator.block_size
         self.stats["prefix_cache_hits"] += req.num_computed
         req.status = Status.RUNNING

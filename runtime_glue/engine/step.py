@@ -21,8 +21,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from hal.shared_kv import build_shared_addressing
-from hal.types import AttentionMetadata, KVAddressing
+from hal.types import KVAddressing
+from runtime_glue.engine.kv_placement import KVPlacement
 from runtime_glue.engine.request import Request
 from runtime_glue.engine.speculative import Entry
 from runtime_glue.ouro.exits import ExitMode, ExitRule
@@ -180,13 +180,13 @@ class HostStep:
 
 
 class StepBuilder:
-    """Builds every step's :class:`HostStep` (``kv_sharing``: generated blocks addressed by
-    ``hal.shared_kv``; ``early``: the draft's loops when speculation is on)."""
+    """Builds every step's :class:`HostStep` (``kv``: where each request's K/V lives,
+    ``runtime_glue.engine.kv_placement``; ``early``: the draft's loops when speculation is
+    on)."""
 
-    def __init__(self, cfg, block_size: int, num_blocks: int, sharing: bool, early: int | None):
+    def __init__(self, cfg, kv: KVPlacement, early: int | None):
         self.layers, self.loops = cfg.num_hidden_layers, cfg.total_ut_steps
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.sharing, self.early = sharing, early
+        self.kv, self.early = kv, early
 
     def build(self, plan: list[Scheduled]) -> HostStep:
         ids: list[int] = []
@@ -206,7 +206,7 @@ class StepBuilder:
             ids += req.tokens(ctx, ctx + s.n) if s.entry is None else list(s.entry.ids)
             positions += range(ctx, ctx + s.n)
             rows = [(s.n, ctx)] if s.kind != "verify" else [(1, ctx + i) for i in range(s.n)]
-            entries += [self._entry(req, n, c) for n, c in rows]
+            entries += [self.kv.entry(req, n, c) for n, c in rows]
             groups[s.kind] += s.n
             counts[s.kind] += len(rows)
             mine = [start + i for i in s.samples()]
@@ -227,7 +227,7 @@ class StepBuilder:
             plan,
             ids,
             positions,
-            self._addressing(entries),
+            self.kv.addressing(entries),
             groups,
             counts,
             sample_rows,
@@ -248,18 +248,6 @@ class StepBuilder:
         if s.entry is None or spec is None:
             return ()
         return tuple(spec.drafts) if s.kind == "draft" else tuple(spec.drafts[:row])
-
-    def _entry(self, req: Request, n: int, ctx: int) -> tuple:
-        if not self.sharing:
-            return (n, ctx, req.blocks)
-        return (n, ctx, req.blocks, len(req.prompt_ids), req.gen_blocks)
-
-    def _addressing(self, entries: list[tuple]) -> KVAddressing:
-        bs, nb = self.block_size, self.num_blocks
-        if self.sharing:
-            return build_shared_addressing(bs, entries, nb, self.layers, self.loops)
-        meta = AttentionMetadata.build(bs, entries, nb * bs)  # checked on the host
-        return KVAddressing.uniform(meta, self.layers, nb * bs)
 
 
 def sequence_inputs(

@@ -3,14 +3,13 @@
 :func:`check_request` is what ``Engine.validate`` runs for every entry point (engine, ``LLM``,
 server): the prompt, the exit loop, speculation, the structured-output grammar, the token ids
 a request names (prompt, ``logit_bias``, ``stop_token_ids``) against the vocabulary, the model's
-length, the pool (under kv sharing: prompt and generated blocks) and full prefill's budget.
+length, the pool (as the KV placement counts it) and full prefill's budget.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hal.shared_kv import prompt_blocks
 from runtime_glue.engine.refusals import MAX_SPECULATIVE_TOKENS
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.structured import (
@@ -68,24 +67,10 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
             f"exceeds the model's maximum length of {engine.max_model_len} tokens",
             "max_tokens",
         )
-    if engine.shared is not None:
-        blocks = prompt_blocks(n, engine.allocator.block_size)
-        generated = engine.allocator.blocks_for(need) - blocks
-        blocks += engine.shared.physical_for(generated)
-        if blocks > engine.allocator.num_blocks:
-            raise InvalidRequest(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} blocks of "
-                f"KV cache under kv sharing, but the whole pool has "
-                f"{engine.allocator.num_blocks} blocks of {engine.allocator.block_size}",
-                "max_tokens",
-            )
-    elif need > engine.pool_tokens:
+    too_big = engine.kv.pool_refusal(n, need, engine.pool_blocks)
+    if too_big is not None:
         raise InvalidRequest(
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} "
-            f"tokens of KV cache, but the whole pool holds {engine.pool_tokens} tokens "
-            f"({engine.pool_blocks} blocks of "
-            f"{engine.allocator.block_size})",
-            "max_tokens",
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) {too_big}", "max_tokens"
         )
     if engine.config.prefill_chunk_size is None and n > engine.config.max_num_batched_tokens:
         raise InvalidRequest(
