@@ -85,7 +85,7 @@ def round_costs(llm: LLM, prompt: list[int], rounds: int) -> dict[str, list[floa
         eng.step()
     while len(steps["verify"]) < rounds:
         entry = spec.entry(req)
-        assert entry is not None and req.spec is not None and req.spec.k == spec.config.tokens
+        assert entry is not None and entry.k == spec.config.tokens
         start = time.perf_counter()
         eng.step()
         steps[entry.kind].append(time.perf_counter() - start)

@@ -340,16 +340,11 @@ class Engine:
                 return []
             return mine[-1:]
         assert self.speculator is not None
-        E = self.speculator.config.loops
-        if s.entry.kind == "draft":
-            r = mine[0]
-            gates = None if sampled.gates is None else sampled.gates[:E, r]
-            self.speculator.drafted(req, sampled.tokens[r], sampled.states[:E, r], gates)
-            return []
-        accepted = self.speculator.verified(req, [sampled.tokens[j] for j in mine])
-        req.num_computed += len(accepted)
-        self.kv.trim(req, req.num_tokens + len(accepted), fence)  # rejected drafts' pages
-        return mine[: len(accepted)]
+        applied = self.speculator.apply(req, s.entry, mine, sampled)
+        req.num_computed += len(applied.accepted)
+        if applied.keep is not None:
+            self.scheduler.trim(req, applied.keep, fence)
+        return mine[: len(applied.accepted)]
 
     def _fork(self, leader: Request, row: int, sampled: Sampled, fence) -> list[RequestOutput]:
         """``leader``'s prompt is computed: each request following it shares its pages and

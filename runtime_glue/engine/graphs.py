@@ -203,7 +203,7 @@ class StepGraphRunner:
             for j in range(rows):
                 mode = modes[j % len(modes)] if permute else ExitMode()
                 req = _decode_row(ids[j], at[j] % bs, self.scratch[at[j] // bs], mode)
-                plan.append(Scheduled(req, 1))
+                plan.append(Scheduled(req=req, n=1))
             return self.builder.build(plan)
 
         label = f"at {rows} row(s) x 1 block"

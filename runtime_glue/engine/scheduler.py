@@ -63,7 +63,7 @@ class Scheduler:
 
     def schedule(self) -> list[Scheduled]:
         """The next step's plan, in row order; [] when nothing can run now."""
-        return [Scheduled(req, n, self.entry(req)) for req, n in self._schedule()]
+        return [Scheduled(req=req, n=n, entry=entry) for req, n, entry in self._schedule()]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,9 +76,10 @@ class Scheduler:
             self.running.remove(req)
         self.kv.release(req, req.last_fence)
 
-    def _schedule(self) -> list[tuple[Request, int]]:
+    def _schedule(self) -> list[tuple[Request, int, Entry | None]]:
+        """(request, rows, speculative entry) of the next step: each entry computed once."""
         budget = self.config.max_num_batched_tokens
-        plan: list[tuple[Request, int]] = []
+        plan: list[tuple[Request, int, Entry | None]] = []
         preemptions = self.stats["preemptions"]
         for req in list(self.running):
             if req.status is not Status.RUNNING:
@@ -87,7 +88,7 @@ class Scheduler:
             n = self._chunk(req, budget) if entry is None else entry.n * (entry.n <= budget)
             start = req.num_computed if entry is None else entry.ctx
             if n and self._pages_for(req, start + n):
-                plan.append((req, n))
+                plan.append((req, n, entry))
                 budget -= n
         if self.stats["preemptions"] != preemptions:
             return self._ordered(plan)  # the pool ran dry: admit no one this step
@@ -98,20 +99,26 @@ class Scheduler:
             n = self._chunk(req, budget)
             if not n:
                 break
-            plan.append((req, n))
+            plan.append((req, n, None))  # a request starts in prefill: no round yet
             budget -= n
         return self._ordered(plan)
 
-    def _ordered(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    @staticmethod
+    def _ordered(plan: list[tuple[Request, int, Entry | None]]):
         # Prompt positions first: the execution plan may run them on other kernels than
         # generated positions (runtime_glue.ouro.plan), and a step's prompt rows form one block.
-        # Drafting and verifying rows follow (runtime_glue.ouro.loops).
-        plan = [(r, n) for r, n in plan if r.status is Status.RUNNING]
-        return sorted(plan, key=lambda entry: Speculator.order(entry[0], self.entry(entry[0])))
+        # Drafting and verifying rows follow (runtime_glue.engine.speculative).
+        plan = [p for p in plan if p[0].status is Status.RUNNING]  # not preempted since
+        return sorted(plan, key=lambda p: Speculator.order(p[0], p[2]))
 
     def entry(self, req: Request) -> Entry | None:
         """The rows ``req`` drafts or verifies next; None for an ordinary step."""
         return None if self.speculator is None else self.speculator.entry(req)
+
+    def trim(self, req: Request, tokens: int, fence) -> None:
+        """Free ``req``'s pages past its first ``tokens`` positions (a verify step's rejected
+        drafts: ``Speculator.apply`` says how many positions it keeps)."""
+        self.kv.trim(req, tokens, fence)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """How many of ``req``'s pending tokens this step computes (0: none fits). A chunk

@@ -34,11 +34,13 @@ Only prompt blocks enter the prefix cache, as without speculation.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import attrs
 import torch
 
 from runtime_glue.engine.request import Request, SpecRound
+from runtime_glue.ouro.exits import ExitMode
 
 
 @attrs.frozen
@@ -55,26 +57,62 @@ class SpeculativeConfig:
         )
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Entry:
-    """A request's rows in a step: which kind, where they start, their tokens."""
+    """A request's speculative rows in a step: computed once per step, from the request as it
+    stands, without changing it (``Speculator.entry``)."""
 
     kind: str  # "draft" or "verify"
-    ctx: int
-    ids: tuple[int, ...]
+    ctx: int  # the positions before its first row
+    ids: tuple[int, ...]  # its rows' tokens
+    k: int  # the round's drafts
+    drafts: tuple[int, ...]  # the round's drafts so far (its rows' history past the output)
+    mode: ExitMode | None  # a draft row's loop (the proposer's); None: the request's own rule
+    states: tuple[torch.Tensor, ...] = ()  # a verify step's: what the round's draft steps kept
+    gates: tuple[torch.Tensor | None, ...] = ()
 
     @property
     def n(self) -> int:
         return len(self.ids)
 
+    def history(self, row: int) -> tuple[int, ...]:
+        """The drafts before row ``row`` (a draft row follows all of them)."""
+        return self.drafts if self.kind == "draft" else self.drafts[:row]
+
+
+@attrs.frozen(kw_only=True)
+class Applied:
+    """What a step's rows did to a request's round: the tokens it accepts (none for a draft
+    step) and, after a verify step, the positions whose K/V it keeps (the scheduler frees the
+    pages past them, which held rejected drafts only)."""
+
+    accepted: tuple[int, ...] = ()
+    keep: int | None = None
+
+
+class EarlyLoops:
+    """The proposer: Ouro's first E loops are its own draft. A draft row exits at loop E - 1
+    (the step builder reads its rule from the entry), and its choice is the next draft."""
+
+    def __init__(self, loops: int) -> None:
+        self.loops = loops
+        self.mode = ExitMode(step=loops - 1)
+
+    def kept(self, sampled: Any, row: int):
+        """A draft row's state after each draft loop ``[E, H]`` and its gates ``[E]``."""
+        E = self.loops
+        gates = None if sampled.gates is None else sampled.gates[:E, row]
+        return sampled.states[:E, row], gates
+
 
 class Speculator:
-    """The engine's speculative scheduling: which rows a request runs, and what a step's
-    results do to its round."""
+    """The engine's speculative decoding: which rows a request runs (:meth:`entry`), and what
+    a step's results do to its round (:meth:`apply`)."""
 
     def __init__(self, config: SpeculativeConfig, total_loops: int) -> None:
         self.config = config
         self.total_loops = total_loops
+        self.proposer = EarlyLoops(config.loops)
         self.stats = {"spec_drafted": 0, "spec_accepted": 0, "spec_verify_steps": 0}
         # Drafts accepted by each verify step, drained by the server's metrics (bounded when
         # nothing drains them).
@@ -85,20 +123,23 @@ class Speculator:
         return self.config.tokens if own is None else own
 
     def entry(self, req: Request) -> Entry | None:
-        """The rows ``req`` runs next if it drafts or verifies; None for an ordinary step."""
-        last = len(req.prompt_ids) + len(req.output_ids) - 1
-        if req.spec is None:
-            k = min(self.k_of(req), req.params.max_tokens - len(req.output_ids) - 1)
-            if req.in_prefill or req.num_computed != last or k < 1:
-                return None
-            req.spec = SpecRound(k)
+        """The rows ``req`` runs next if it drafts or verifies; None for an ordinary step.
+        Changes nothing: a round begins when its first draft step is applied."""
         spec, c = req.spec, req.num_computed
-        j = len(spec.states)
         token = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
+        draft = dict(kind="draft", mode=self.proposer.mode)
+        if spec is None:
+            last = len(req.prompt_ids) + len(req.output_ids) - 1
+            k = min(self.k_of(req), req.params.max_tokens - len(req.output_ids) - 1)
+            if req.in_prefill or c != last or k < 1:
+                return None
+            return Entry(ctx=c, ids=(token,), k=k, drafts=(), **draft)
+        j, drafts = len(spec.states), tuple(spec.drafts)
         if j <= spec.k:  # draft step j: position c + j
-            ids = (token,) if j == 0 else (spec.drafts[j - 1],)
-            return Entry("draft", c + j, ids)
-        return Entry("verify", c, (token, *spec.drafts))
+            ids = (token,) if j == 0 else (drafts[j - 1],)
+            return Entry(ctx=c + j, ids=ids, k=spec.k, drafts=drafts, **draft)
+        return Entry(kind="verify", ctx=c, ids=(token, *drafts), k=spec.k, drafts=drafts,
+                     mode=None, states=tuple(spec.states), gates=tuple(spec.gates))  # fmt: skip
 
     @staticmethod
     def order(req: Request, entry: Entry | None) -> int:
@@ -107,13 +148,21 @@ class Speculator:
             return 0 if req.in_prefill else 1
         return 2 if entry.kind == "draft" else 3
 
-    def drafted(
-        self, req: Request, token: int, state: torch.Tensor, gates: torch.Tensor | None
-    ) -> None:
-        """A draft step's results: the state of its position (``[E, H]``, after each draft
-        loop) and its gates; its draft token, if this step takes one."""
+    def apply(self, req: Request, entry: Entry, rows: list[int], sampled: Any) -> Applied:
+        """The step's sampled ``rows`` of ``req`` (its entry's; ``sampled``: the step's
+        ``runtime_glue.engine.sampler.Sampled``): a draft step keeps its state (and proposes
+        the next draft); a verify step accepts and ends the round."""
+        if entry.kind == "draft":
+            state, gates = self.proposer.kept(sampled, rows[0])
+            self._drafted(req, entry, sampled.tokens[rows[0]], state, gates)
+            return Applied()
+        accepted = self.verified(req, [sampled.tokens[r] for r in rows])
+        return Applied(accepted=tuple(accepted), keep=req.num_tokens + len(accepted))
+
+    def _drafted(self, req: Request, entry: Entry, token: int, state, gates) -> None:
+        if req.spec is None:  # the round's first draft step
+            req.spec = SpecRound(entry.k)
         spec = req.spec
-        assert spec is not None
         wants = len(spec.states) < spec.k  # the round's last draft step only keeps its state
         spec.states.append(state)
         spec.gates.append(gates)

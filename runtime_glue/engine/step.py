@@ -29,7 +29,7 @@ from runtime_glue.ouro.exits import ExitMode, ExitRule
 from runtime_glue.ouro.model import Kept, Span, StepInputs
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Scheduled:
     """One request's part of a step: ``n`` rows, ordinary or speculative (``entry``)."""
 
@@ -59,7 +59,7 @@ class Scheduled:
         return (self.n - 1,) if self.req.num_computed + self.n == self.req.num_tokens else ()
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, kw_only=True)
 class HostStep:
     """A step on the host. ``sampled``: the request of each sampled row, in order;
     ``rows_of[i]``: the sampled rows of ``plan[i]``."""
@@ -202,8 +202,8 @@ class StepBuilder:
         kept_gates: list[torch.Tensor | None] = []
         drafted: list[tuple[int, ...]] = []
         for s in plan:
-            req, ctx, start = s.req, s.ctx, len(ids)
-            ids += req.tokens(ctx, ctx + s.n) if s.entry is None else list(s.entry.ids)
+            req, ctx, start, spec = s.req, s.ctx, len(ids), s.entry
+            ids += req.tokens(ctx, ctx + s.n) if spec is None else list(spec.ids)
             positions += range(ctx, ctx + s.n)
             rows = [(s.n, ctx)] if s.kind != "verify" else [(1, ctx + i) for i in range(s.n)]
             entries += [self.kv.entry(req, n, c) for n, c in rows]
@@ -213,41 +213,30 @@ class StepBuilder:
             rows_of.append(list(range(len(sample_rows), len(sample_rows) + len(mine))))
             sample_rows += mine
             sampled += [req] * len(mine)
-            mode = req.exit_mode
-            if s.kind == "draft" and self.early is not None:  # a draft is loop E-1's choice
-                mode = ExitMode(step=self.early - 1)
-            modes += [mode] * len(mine)
-            drafted += [self._drafted(s, i) for i in s.samples()]
-            if s.kind == "verify":
-                assert req.spec is not None
-                kept_states += req.spec.states
-                kept_gates += req.spec.gates
+            own = spec.mode if spec is not None and spec.mode is not None else req.exit_mode
+            modes += [own] * len(mine)
+            drafted += [() if spec is None else spec.history(i) for i in s.samples()]
+            if spec is not None:
+                kept_states += spec.states
+                kept_gates += spec.gates
         speculative = groups["draft"] + groups["verify"] > 0
         return HostStep(
-            plan,
-            ids,
-            positions,
-            self.kv.addressing(entries),
-            groups,
-            counts,
-            sample_rows,
-            sampled,
-            rows_of,
-            modes,
-            self.loops,
-            self.early if speculative else None,
-            kept_states,
-            kept_gates,
-            drafted,
+            plan=plan,
+            ids=ids,
+            positions=positions,
+            kv=self.kv.addressing(entries),
+            groups=groups,
+            entries=counts,
+            sample_rows=sample_rows,
+            sampled=sampled,
+            rows_of=rows_of,
+            modes=modes,
+            loops=self.loops,
+            early=self.early if speculative else None,
+            kept_states=kept_states,
+            kept_gates=kept_gates,
+            drafted=drafted,
         )
-
-    @staticmethod
-    def _drafted(s: Scheduled, row: int) -> tuple[int, ...]:
-        """The drafts before row ``row`` of ``s`` (its history beyond the request's output)."""
-        spec = s.req.spec
-        if s.entry is None or spec is None:
-            return ()
-        return tuple(spec.drafts) if s.kind == "draft" else tuple(spec.drafts[:row])
 
 
 def sequence_inputs(
