@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from runtime_glue.engine.refusals import REFUSED, SET
+
 DEFAULT_TOY_PRESET = "small"
 
 
@@ -208,9 +210,9 @@ class EngineArgs:
         metavar="K",
     )
 
-    # Pairs the command line takes one of (the engine refuses num_blocks with kv_cache_memory:
-    # runtime_glue.engine.refusals).
-    EXCLUSIVE = (("model", "preset"), ("num_blocks", "kv_cache_memory"))
+    # Pairs the command line takes one of: --model or --preset, and every pair the engine
+    # refuses whenever both are given (runtime_glue.engine.refusals).
+    EXCLUSIVE = (("model", "preset"), *((a, b) for a, x, b, y, _ in REFUSED if x is y is SET))
 
     @classmethod
     def add_cli_args(
