@@ -29,7 +29,7 @@ from runtime_glue.engine.step import sequence_inputs
 from runtime_glue.ouro import corpus
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode
-from runtime_glue.ouro.model import StepInputs
+from runtime_glue.ouro.records import StepInputs
 from runtime_glue.ouro.toy import TRAINING_FILE, write_files
 from runtime_glue.ouro.train import TrainOuro, init_weights, windows
 
