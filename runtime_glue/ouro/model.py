@@ -197,7 +197,8 @@ class OuroModel:
         hs: list[list] = [[] for _ in range(T)]  # per loop: (sampled rows, their states)
         gates: list[list] = [[] for _ in range(T)]
         every_row_gates = self._every_row_gates(step, adaptive)
-        for span in self._as_run(step, adaptive):
+        spans = self._as_run(step, adaptive)
+        for span in spans:
             x, c, s = h.index_select(0, span.rows), cos[:, span.rows], sin[:, span.rows]
             kv, rows = span.kv, self.kernels.bind(span.prompt_rows)
             for t in span.loops:
@@ -210,7 +211,7 @@ class OuroModel:
                 if step.exits.gated:
                     at = span.rows if every_row_gates else span.samples
                     gates[t].append((at, self._gate(x, picked, step, every_row_gates)))
-            if span is not step.spans[-1]:
+            if span is not spans[-1]:
                 h = h.index_copy(0, span.rows, x)  # the next span continues from here
         states = torch.stack([self._assemble(p, R, kept, t, "states") for t, p in enumerate(hs)])
         gate_t = None
