@@ -126,21 +126,20 @@ def test_a_planted_error_in_the_exit_distribution_is_caught(gqa256, monkeypatch)
 
 
 def _count_loops(llm, monkeypatch) -> list[list[int]]:
-    """Record, per model forward, the loops whose layer 0 ran (and on how many rows)."""
+    """Record, per model forward, the loops that ran (on some rows)."""
     calls: list[list[int]] = []
-    real_forward, real_layer = llm.model.forward, llm.model.layer
+    real_forward, real_loop = llm.model.forward, llm.model.loop
 
     def forward(step):
         calls.append([])
         return real_forward(step)
 
-    def layer(t, li, h, *args):
-        if li == 0:
-            calls[-1].append(t)
-        return real_layer(t, li, h, *args)
+    def loop(t, h, *args):
+        calls[-1].append(t)
+        return real_loop(t, h, *args)
 
     monkeypatch.setattr(llm.model, "forward", forward)
-    monkeypatch.setattr(llm.model, "layer", layer)
+    monkeypatch.setattr(llm.model, "loop", loop)
     return calls
 
 

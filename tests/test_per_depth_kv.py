@@ -86,7 +86,7 @@ def test_changing_a_later_token_never_changes_earlier_logits(tiny_ckpt, driver_n
 def test_plane_t_times_l_plus_l_holds_loop_t_layer_ls_keys_and_values(tiny_ckpt):
     # The cache must hold, in plane t * L + l, the K (after RoPE) and V that loop t, layer l
     # computed for each position, and nothing from any other (loop, layer).
-    from runtime_glue.ouro.model import rotate_half
+    from runtime_glue.ouro.loop_kernels import rotate_half
 
     llm = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=4, deterministic=False)
     cfg, model, n = llm.config, llm.model, 10

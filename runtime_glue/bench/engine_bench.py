@@ -99,7 +99,7 @@ def python_overhead(llm: LLM, prompt: list[int]) -> dict:
 def measure_floors(llm: LLM, rows: list[int]) -> dict:
     """Read bandwidth, and the GEMM rate of the kernel the plan runs prompt rows through."""
     dev, sync = llm.driver.device.torch_device, llm.driver.device.synchronize
-    linear = llm.model.kernels["prompt"]["gate_up_proj"]
+    linear = llm.model.kernels.rows["prompt"]["gate_up_proj"]
     return {
         "bandwidth": floors.read_bandwidth(dev, sync),
         "gemm_kernel": llm.plan.choice("prompt", "gate_up_proj").kernel,

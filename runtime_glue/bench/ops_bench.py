@@ -42,18 +42,15 @@ def graph_host_calls(llm: LLM) -> dict[str, int] | None:
 
 def _kind(step) -> str:
     """A forward's kind: a plain decode step, or a speculative draft or verify step."""
-    if not step.spans:
+    if len(step.spans) == 1:
         return "decode"
     return "verify" if step.kept is not None else "draft"
 
 
 def _layer_passes(llm: LLM, step) -> int:
-    """Loops x layers a forward runs (a speculative step: its spans' loops that hold rows)."""
-    cfg = llm.config
-    if not step.spans:
-        return cfg.total_ut_steps * cfg.num_hidden_layers
+    """Loops x layers a forward runs: its spans' loops that hold rows."""
     loops = sum(len(span.loops) for span in step.spans if span.rows.numel())
-    return loops * cfg.num_hidden_layers
+    return loops * llm.config.num_hidden_layers
 
 
 def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict:

@@ -29,7 +29,7 @@ from runtime_glue.engine.step import sequence_inputs
 from runtime_glue.ouro import corpus
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode
-from runtime_glue.ouro.model import StepInputs
+from runtime_glue.ouro.records import StepInputs
 from runtime_glue.ouro.toy import TRAINING_FILE, write_files
 from runtime_glue.ouro.train import TrainOuro, init_weights, windows
 
@@ -169,7 +169,7 @@ def fixed_and_gated(scorer: Scorer, held: torch.Tensor, threshold: float | None)
 
 def adaptive(llm: LLM, held: torch.Tensor, threshold: float) -> dict:
     """Adaptive depth against full compute under ``threshold``, teacher-forced decode rows."""
-    full, early = (
+    full, adaptive_depth = (
         Scorer(llm.variant(adaptive_depth=False)),
         Scorer(llm.variant(adaptive_depth=True)),
     )
@@ -179,7 +179,8 @@ def adaptive(llm: LLM, held: torch.Tensor, threshold: float) -> dict:
     same = loops = tokens = 0
     for window in held:
         ids, targets = window[:-1].tolist(), window[1:]
-        (f_logits, _), (a_logits, a_loops) = full.decode(ids, mode), early.decode(ids, mode)
+        f_logits, _ = full.decode(ids, mode)
+        a_logits, a_loops = adaptive_depth.decode(ids, mode)
         for name, logits in (("full", f_logits), ("adaptive", a_logits)):
             n, c = _score(logits, targets)
             nll[name] += n

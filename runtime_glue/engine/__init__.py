@@ -1,7 +1,7 @@
 """The serving engine: requests in, tokens out, over one model and one paged KV pool.
 
 Owns: the engine and its step loop (``core``) and its seams (docs/architecture.md): the
-scheduler (``scheduler``), the input builder (``step``), step graphs (``graphs``,
+scheduler (``scheduler``), the input builder (``step``, ``spans``), step graphs (``graphs``,
 ``graph_buffers``), sampling (``sampling``, ``sampler``) and what a step's rows become
 (``output``); the block allocator and prefix cache (``kv_manager``, ``shared_blocks``),
 requests, their checks and lifecycle (``request``, ``validation``), speculative decoding

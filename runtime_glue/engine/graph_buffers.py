@@ -15,9 +15,11 @@ import torch
 
 from hal.graphs import StaticDecodeMetadata
 from hal.types import KVAddressing, check_slot_mapping
+from runtime_glue.engine.spans import step_layout
 from runtime_glue.engine.step import HostStep
 from runtime_glue.ouro.exits import ExitRule
-from runtime_glue.ouro.model import Kept, OuroModel, Span, StepInputs
+from runtime_glue.ouro.model import OuroModel
+from runtime_glue.ouro.records import Kept, Span, StepInputs
 
 GROUPS = ("generated", "draft", "verify")
 ROW_FIELDS = ("ids", "positions", "seq_lens", "exit_step", "use_threshold", "threshold")
@@ -65,17 +67,18 @@ class StaticBuffers:
         self.kept_states = torch.zeros(v, E, H, dtype=model.embed.dtype, device=device)
         self.kept_gates = torch.zeros(v, E, dtype=model.embed.dtype, device=device)
         self.no_gates = torch.zeros(E, dtype=model.embed.dtype, device=device)  # kept none
-        index = {
-            "all": list(range(B)),
-            "first": list(range(g + d)),
-            "second": [*range(g), *range(g + d, B)],
-            "verify": list(range(g + d, B)),
-        }
-        self.index = {
-            k: torch.tensor(i, dtype=torch.int64, device=device) for k, i in index.items()
-        }
-        second = index["second"]
-        self.index["second_at"] = torch.arange(len(second), dtype=torch.int64, device=device)
+        groups = {"prompt": 0, "generated": g, "draft": d, "verify": v}
+        rows = range(B)  # every row of a captured step is sampled, each its own entry
+        self.layout = step_layout(groups, groups, rows, model.cfg.total_ut_steps, early)
+
+        def index(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        self.span_index = [
+            (index(s.rows), index(s.samples), index(s.sample_at)) for s in self.layout.spans
+        ]
+        self.kept_index = (index(self.layout.kept), index(self.layout.kept_samples))
+        self.sample_rows = index(rows)
 
     def load(self, values: list[int], host: HostStep | None) -> None:
         """This step's data into the static buffers, in place (the graph reads them there).
@@ -107,21 +110,35 @@ def static_inputs(model: OuroModel, buf: StaticBuffers, early: int | None) -> St
 
     B = buf.shape.total
     rule = ExitRule(v["exit_step"], v["use_threshold"], v["threshold"], (), True)
-    every = buf.index["all"]
-    spans: tuple[Span, ...] = ()
+    whole = kv_of(None)
+    spans = tuple(
+        Span(
+            loops=s.loops,
+            rows=rows,
+            kv=whole if len(s.entries) == B else kv_of(rows),
+            samples=samples,
+            sample_at=at,
+            prompt_rows=0,
+        )
+        for s, (rows, samples, at) in zip(buf.layout.spans, buf.span_index, strict=True)
+    )
+    assert (early is None) == (len(spans) == 1), "early disagrees with the buffers' layout"
     kept = None
     if early is not None:
-        first, second = buf.index["first"], buf.index["second"]
-        T = cfg.total_ut_steps
-        spans = (
-            Span(range(early), first, kv_of(first), first, first, 0),
-            Span(range(early, T), second, kv_of(second), second, buf.index["second_at"], 0),
-        )
-        verify = buf.index["verify"]
-        gates = buf.kept_gates[:, :early]
-        kept = Kept(verify, verify, buf.kept_states[:, :early], gates)
+        rows, samples = buf.kept_index
+        kept = Kept(rows=rows, samples=samples, states=buf.kept_states, gates=buf.kept_gates)
     return StepInputs(
-        v["ids"], v["positions"], kv_of(None), every, 0, 0, 0, rule, tuple(range(B)), spans, kept
+        input_ids=v["ids"],
+        positions=v["positions"],
+        kv=whole,
+        sample_rows=buf.sample_rows,
+        prompt_rows=0,
+        prompt_samples=0,
+        max_position=0,
+        exits=rule,
+        host_sample_rows=tuple(range(B)),
+        spans=spans,
+        kept=kept,
     )
 
 

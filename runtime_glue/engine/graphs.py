@@ -255,14 +255,15 @@ def _decode_row(token: int, position: int, page: int, mode: ExitMode) -> Request
 
 def _real_rows(outputs, real: list[int]) -> Replayed:
     logits, chosen, states, gates, picks, packed = outputs
-    out = StepOutput(logits, chosen, states, gates)
+    out = StepOutput(logits=logits, chosen=chosen, states=states, gates=gates)
     n = len(real)
     if real == list(range(n)):  # the common case: one group, padding after it
-        cut = StepOutput(out.logits[:n], out.chosen[:n], out.states[:, :n],
-                         None if out.gates is None else out.gates[:, :n])  # fmt: skip
+        cut = StepOutput(logits=out.logits[:n], chosen=out.chosen[:n], states=out.states[:, :n],
+                         gates=None if out.gates is None else out.gates[:, :n])  # fmt: skip
         return Replayed(cut, picks[:, :n], packed[:n])
     idx = torch.tensor(real, dtype=torch.int64, device=out.logits.device)
-    cut = StepOutput(out.logits.index_select(0, idx), out.chosen.index_select(0, idx),
-                     out.states.index_select(1, idx),
-                     None if out.gates is None else out.gates.index_select(1, idx))  # fmt: skip
+    cut = StepOutput(logits=out.logits.index_select(0, idx),
+                     chosen=out.chosen.index_select(0, idx),
+                     states=out.states.index_select(1, idx),
+                     gates=None if out.gates is None else out.gates.index_select(1, idx))  # fmt: skip
     return Replayed(cut, picks.index_select(1, idx), packed.index_select(0, idx))

@@ -3,8 +3,9 @@
 :class:`StepBuilder` turns the plan (which requests compute which rows) into a
 :class:`HostStep`: every row's token and position, where its K/V lives at every (loop, layer)
 plane (``hal.types.KVAddressing``: one metadata, or one per loop under kv sharing), which rows
-are sampled and by which exit rule, and, when some request drafts or verifies, the step's
-spans and kept states (``runtime_glue.ouro.model.Span``, ``Kept``). An eager step moves it to
+are sampled and by which exit rule, the step's spans (laid out by ``runtime_glue.engine.spans``:
+one of every row through every loop, two when some request drafts or verifies) and the kept
+states verifies start from (``runtime_glue.ouro.records.Span``, ``Kept``). An eager step moves it to
 the device with one copy (:meth:`HostStep.inputs`); a captured step graph loads the same
 values into its static buffers (``runtime_glue.engine.graphs``). Both run
 ``OuroModel.forward``.
@@ -24,9 +25,10 @@ import torch
 from hal.types import KVAddressing
 from runtime_glue.engine.kv_placement import KVPlacement
 from runtime_glue.engine.request import Request
+from runtime_glue.engine.spans import StepLayout, step_layout
 from runtime_glue.engine.speculative import Entry
 from runtime_glue.ouro.exits import ExitMode, ExitRule
-from runtime_glue.ouro.model import Kept, Span, StepInputs
+from runtime_glue.ouro.records import Kept, Span, StepInputs
 
 
 @attrs.frozen(kw_only=True)
@@ -113,62 +115,28 @@ class HostStep:
 
     def inputs(self, device: torch.device, pin: bool = False) -> StepInputs:
         """The step on ``device``, moved with one copy: what an eager step runs."""
+        layout = step_layout(self.groups, self.entries, self.sample_rows, self.loops, self.early)
         host = [self.ids, self.positions, self.sample_rows, *self.exit_columns()]
-        spans = self._span_indices()
-        tensors = [torch.tensor(v, dtype=torch.int64) for v in (*host, *spans)]
-        kv, moved = self.kv.to(device, *tensors, pin=pin)
+        kv, moved = self.kv.to(device, *_host_tensors(host, layout), pin=pin)
         ids, positions, sample_rows, step, use, bits = moved[:6]
         weighted = tuple(i for i, m in enumerate(self.modes) if m.kind == "weighted")
-        rule = ExitRule(step, use, bits, weighted, self.gated)
         return StepInputs(
-            ids,
-            positions,
-            kv,
-            sample_rows,
-            self.prompt_rows,
-            self.prompt_samples,
-            max(self.positions),
-            rule,
-            tuple(self.sample_rows),
-            self._spans(kv, moved[6:]),
-            self._kept(moved[6:]),
-            tuple(self.modes),
-        )
-
-    # -- speculative steps: spans and kept states -----------------------------------------
-
-    def _span_indices(self) -> list[list[int]]:
-        """Host index lists: per span (rows, samples, sample_at), then the kept rows and
-        their samples; none without drafts or verifies."""
-        if self.early is None:
-            return []
-        g, n = self.groups, self.num_rows
-        normal = g["prompt"] + g["generated"]
-        drafts = range(normal, normal + g["draft"])
-        verifies = range(normal + g["draft"], n)
-        out = []
-        for rows in ([*range(normal), *drafts], [*range(normal), *verifies]):
-            at = {row: i for i, row in enumerate(rows)}
-            samples = [i for i, row in enumerate(self.sample_rows) if row in at]
-            out += [rows, samples, [at[self.sample_rows[i]] for i in samples]]
-        kept_samples = [i for i, row in enumerate(self.sample_rows) if row in verifies]
-        return [*out, list(verifies), kept_samples]
-
-    def _spans(self, kv: KVAddressing, t: list[torch.Tensor]) -> tuple[Span, ...]:
-        if self.early is None:
-            return ()
-        e = self.entries
-        normal = e["prompt"] + e["generated"]
-        first = range(normal + e["draft"])
-        second = [*range(normal), *range(normal + e["draft"], kv.base.num_requests)]
-        early = range(self.early)
-        late = range(self.early, self.loops)
-        return (
-            Span(early, t[0], kv.select(first), t[1], t[2], self.prompt_rows),
-            Span(late, t[3], kv.select(second), t[4], t[5], self.prompt_rows),
+            input_ids=ids,
+            positions=positions,
+            kv=kv,
+            sample_rows=sample_rows,
+            prompt_rows=self.prompt_rows,
+            prompt_samples=self.prompt_samples,
+            max_position=max(self.positions),
+            exits=ExitRule(step, use, bits, weighted, self.gated),
+            host_sample_rows=tuple(self.sample_rows),
+            spans=_spans(layout, kv, moved[6:], self.prompt_rows),
+            kept=self._kept(moved[-2:]),
+            modes=tuple(self.modes),
         )
 
     def _kept(self, t: list[torch.Tensor]) -> Kept | None:
+        """The verify rows' kept states (``t``: their rows and samples, on the device)."""
         if self.early is None or not self.kept_states:
             return None
         states = torch.stack(self.kept_states)  # [V, E, H]
@@ -176,7 +144,33 @@ class HostStep:
         if self.gated:
             like = states.new_zeros(self.early)
             gates = torch.stack([like if g is None else g for g in self.kept_gates])
-        return Kept(t[6], t[7], states, gates)
+        return Kept(rows=t[0], samples=t[1], states=states, gates=gates)
+
+
+def _host_tensors(host: list[list[int]], layout: StepLayout) -> list[torch.Tensor]:
+    """A step's row fields, then every span's indices and the kept rows', as host tensors."""
+    spans = [list(v) for s in layout.spans for v in (s.rows, s.samples, s.sample_at)]
+    kept = [list(layout.kept), list(layout.kept_samples)]
+    return [torch.tensor(v, dtype=torch.int64) for v in (*host, *spans, *kept)]
+
+
+def _spans(
+    layout: StepLayout, kv: KVAddressing, t: list[torch.Tensor], prompt_rows: int
+) -> tuple[Span, ...]:
+    """The layout's spans on the device (``t``: each span's rows, samples and sample_at);
+    a span of every attention entry is addressed as the step is."""
+    every = tuple(range(kv.base.num_requests))
+    return tuple(
+        Span(
+            loops=s.loops,
+            rows=t[3 * i],
+            kv=kv if s.entries == every else kv.select(s.entries),
+            samples=t[3 * i + 1],
+            sample_at=t[3 * i + 2],
+            prompt_rows=prompt_rows,
+        )
+        for i, s in enumerate(layout.spans)
+    )
 
 
 class StepBuilder:
@@ -254,15 +248,26 @@ def sequence_inputs(
     (default every row) by ``modes``, one each. ``kv``: host addressing of those rows."""
     n = len(ids)
     rows = list(range(n)) if sample_rows is None else sample_rows
+    kinds = {"prompt": prompt, "generated": not prompt, "draft": False, "verify": False}
+    groups = {kind: n if on else 0 for kind, on in kinds.items()}
+    entries = {kind: kv.base.num_requests if on else 0 for kind, on in kinds.items()}
+    layout = step_layout(groups, entries, rows, loops, None)
     step, use, bits = ExitRule.host_values(modes, loops)
     host = [ids, list(range(ctx, ctx + n)), rows, step, use, bits]
-    kv, moved = kv.to(device, *(torch.tensor(v, dtype=torch.int64) for v in host))
+    kv, moved = kv.to(device, *_host_tensors(host, layout))
     weighted = tuple(i for i, m in enumerate(modes) if m.kind == "weighted")
     gated = any(m.kind in ("threshold", "weighted") for m in modes)
-    rule = ExitRule(moved[3], moved[4], moved[5], weighted, gated)
     prompt_rows = n if prompt else 0
-    prompt_samples = len(rows) if prompt else 0
     return StepInputs(
-        moved[0], moved[1], kv, moved[2], prompt_rows, prompt_samples, ctx + n - 1, rule,
-        tuple(rows), modes=tuple(modes),
-    )  # fmt: skip
+        input_ids=moved[0],
+        positions=moved[1],
+        kv=kv,
+        sample_rows=moved[2],
+        prompt_rows=prompt_rows,
+        prompt_samples=len(rows) if prompt else 0,
+        max_position=ctx + n - 1,
+        exits=ExitRule(moved[3], moved[4], moved[5], weighted, gated),
+        host_sample_rows=tuple(rows),
+        spans=_spans(layout, kv, moved[6:], prompt_rows),
+        modes=tuple(modes),
+    )

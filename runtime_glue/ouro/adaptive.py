@@ -28,9 +28,14 @@ class Adaptive:
 
     @classmethod
     def start(cls, model, step) -> Adaptive | None:
-        """Only decode rows (one row of a generated position, sampled) in threshold mode."""
-        if step.spans:
-            return None  # speculation runs without adaptive depth (EngineArgs refuses both)
+        """Only decode rows (one row of a generated position, sampled) in threshold mode; None
+        when the step has none. A step of several spans (speculation) is refused, as
+        ``runtime_glue.engine.args.REFUSED`` refuses the pair: never full depth, silently."""
+        if len(step.spans) > 1:
+            raise RuntimeError(
+                "adaptive depth cannot run a step of several spans: --speculative-loops cannot "
+                "be combined with --adaptive-depth (runtime_glue.engine.args.REFUSED)"
+            )
         meta = step.kv.base
         one_row = {meta.request(q)[0] for q in range(meta.num_requests) if meta.request(q)[1] == 1}
         exits = {
@@ -64,7 +69,7 @@ class Adaptive:
 
     def _reached(self, r: int, t: int, h: torch.Tensor) -> bool:
         position = self.batch.index(self.step.host_sample_rows[r])
-        gate_fn = self.model.kernels["generated"]["exit_gate"]
+        gate_fn = self.model.kernels.rows["generated"]["exit_gate"]
         g = gate_fn(h[position : position + 1], self.model.gate_weight) + self.model.gate_bias
         lam = torch.sigmoid(g[0])  # [1], the same shape for every row
         remaining = self.remaining[r]

@@ -10,14 +10,17 @@
 
 All tokens of a step (every request, prefill and decode alike) travel as one flat batch of N
 rows, prompt positions first (``StepInputs.prompt_rows``). Every row-wise op runs the kernel
-the plan names for its rows' kind (``runtime_glue.ouro.plan``). Shapes and rounding follow Hugging
-Face's Llama modules so that, per request, the tensors handed to every kernel match HF's
-([1, heads, S, d] for attention).
+the plan names for its rows' kind (``runtime_glue.ouro.loop_kernels``: in ``--mode fast`` a
+residual add and the norm after it are one fused kernel, and so is the rotary embedding; every
+other plan composes them from its own kernels, with HF's bits). Shapes and rounding follow
+Hugging Face's Llama modules so that, per request, the tensors handed to every kernel match
+HF's ([1, heads, S, d] for attention).
 
 :meth:`OuroModel.forward` is the one function that runs a step's loops; every way a row runs
-is data of the step: the loops it runs (:class:`Span`: a speculative draft stops after loop
-E - 1, a verify row starts at loop E from the state its draft kept, :class:`Kept`), where its
-K/V lives at each (loop, layer) plane (``hal.types.KVAddressing``), which loop its logits come
+is data of the step (``runtime_glue.ouro.records``): the loops it runs (:class:`Span`: a plain
+step is one span of every row through every loop; a speculative draft stops after loop E - 1,
+a verify row starts at loop E from the state its draft kept, :class:`Kept`), where its K/V
+lives at each (loop, layer) plane (``hal.types.KVAddressing``), which loop its logits come
 from (``runtime_glue.ouro.exits.ExitRule``), and, under adaptive depth, when it leaves
 (``runtime_glue.ouro.adaptive``). Eager steps and captured step graphs both call it.
 """
@@ -25,6 +28,7 @@ from (``runtime_glue.ouro.exits.ExitRule``), and, under adaptive depth, when it 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import attrs
 import torch
@@ -35,69 +39,14 @@ from hal.interfaces import Driver, KVStore
 from hal.types import KVAddressing
 from runtime_glue.ouro.adaptive import Adaptive
 from runtime_glue.ouro.config import OuroConfig
-from runtime_glue.ouro.exits import ExitRule, exit_pdf
-from runtime_glue.ouro.fused import FusedLoop
-from runtime_glue.ouro.plan import KINDS, OPS, ExecutionPlan, hal_op, row_function
+from runtime_glue.ouro.exits import exit_pdf
+from runtime_glue.ouro.loop_kernels import LoopKernels, RowOps
+from runtime_glue.ouro.plan import ExecutionPlan
+from runtime_glue.ouro.records import Kept, Span, StepInputs, StepOutput
 
 # recorder(loop, layer, op, tensor): sees intermediate tensors (used by the parity locator).
 Recorder = Callable[[int, int, str, torch.Tensor], None]
 ROPE_BLOCK = 1024  # positions per block of the cos/sin table
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-@attrs.frozen(eq=False)
-class Span:
-    """Rows of a step that run ``loops`` together. A step without spans runs every row
-    through every loop; speculative steps have two (``runtime_glue.engine.speculative``)."""
-
-    loops: range
-    rows: torch.Tensor  # [n] int64: the step's rows in this span, in order
-    kv: KVAddressing  # of those rows
-    samples: torch.Tensor  # [m] int64: which sampled rows are among them ...
-    sample_at: torch.Tensor  # [m] int64: ... and where within the span
-    prompt_rows: int  # the span's first rows that are prompt positions
-
-
-@attrs.frozen(eq=False)
-class Kept:
-    """Rows that start after loop 0, from the states an earlier step kept (verify rows)."""
-
-    rows: torch.Tensor  # [V] int64: their rows in the step
-    samples: torch.Tensor  # [V] int64: their sampled-row indices
-    states: torch.Tensor  # [V, E, H]: the state after each of loops 0 .. E-1
-    gates: torch.Tensor | None  # [V, E]: the gate after each, when the step is gated
-
-
-@attrs.frozen(eq=False)
-class StepInputs:
-    """One step's rows: every request's new tokens, prompt positions first."""
-
-    input_ids: torch.Tensor  # [N] int64, on the device
-    positions: torch.Tensor  # [N] int64, on the device
-    kv: KVAddressing  # where each row's K/V lives at every (loop, layer) plane
-    sample_rows: torch.Tensor  # [R] int64: rows whose logits are wanted
-    prompt_rows: int  # rows [0, prompt_rows) are prompt positions, the rest generated ones
-    prompt_samples: int  # sample_rows[:prompt_samples] are prompt rows
-    max_position: int  # the largest of positions (known on the host: no device read)
-    exits: ExitRule  # per sampled row
-    host_sample_rows: tuple[int, ...]  # sample_rows, on the host
-    spans: tuple[Span, ...] = ()  # (): one span, every row through every loop
-    kept: Kept | None = None
-    modes: tuple = ()  # per sampled row, ExitMode (adaptive depth reads the thresholds)
-
-
-@attrs.frozen(eq=False)
-class StepOutput:
-    """What a step computed for its sampled rows, on the device."""
-
-    logits: torch.Tensor  # [R, vocab]: the chosen loop's logits
-    chosen: torch.Tensor  # [R] int64: the loop each row's logits came from
-    states: torch.Tensor  # [T, R, H]: each sampled row's state after every loop
-    gates: torch.Tensor | None  # [T, R]: its gate after every loop, when gated
 
 
 @attrs.frozen
@@ -136,28 +85,6 @@ class LayerWeights:
         )
 
 
-class RowOps:
-    """The plan's kernels bound for one step's split of rows into prompt and generated."""
-
-    def __init__(self, kernels: dict[str, dict[str, Callable]], split: int | None) -> None:
-        self.kernels = kernels
-        self.split = split  # None: both kinds run the same kernels
-
-    def __call__(self, op: str, x: torch.Tensor, *consts) -> torch.Tensor:
-        """``op`` on rows ``x`` (and constant arguments), each row by its kind's kernel."""
-        p = self.split
-        if p is None or p == x.shape[0]:
-            return self.kernels["prompt"][op](x, *consts)
-        if p == 0:
-            return self.kernels["generated"][op](x, *consts)
-        return torch.cat(
-            (
-                self.kernels["prompt"][op](x[:p], *consts),
-                self.kernels["generated"][op](x[p:], *consts),
-            )
-        )
-
-
 class OuroModel:
     """Ouro in fixed-loop mode (all T loops, logits of the last loop) over one KV store."""
 
@@ -173,16 +100,7 @@ class OuroModel:
         self.plan = plan
         self.backend = driver.backend(plan.attention)
         self.kv = kv
-        self.kernels = {
-            kind: {
-                op: row_function(op, driver.kernel(hal_op(op), c.kernel), c.tiles)
-                for op in OPS
-                for c in (plan.choice(kind, op),)
-            }
-            for kind in KINDS
-        }
-        # HF-exact mode calls the activation on separate gate and up tensors, as HF does.
-        self.silu_mul = driver.kernel("silu_mul", plan.choice("prompt", "silu_mul").kernel).fn
+        self.kernels = LoopKernels.from_plan(plan, driver)
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
         self.lm_head = weights["lm_head.weight"]
@@ -200,7 +118,6 @@ class OuroModel:
         self._cos = self._sin = torch.empty(1, 0, d, dtype=self.embed.dtype, device=device)
         self.scaling = d**-0.5
         self.recorder: Recorder | None = None
-        self.fused = FusedLoop(self, plan, driver) if plan.fused else None  # --mode fast
 
     def rope(self, positions: torch.Tensor, max_position: int):
         """cos, sin ``[1, N, d]``: angles in fp32, cast to bf16 last, as HF computes them.
@@ -218,130 +135,121 @@ class OuroModel:
             self._sin = torch.cat((self._sin, emb.sin().to(self._sin.dtype)), dim=1)
         return self._cos[:, positions], self._sin[:, positions]
 
+    def _record(self, t: int, li: int, **values: torch.Tensor) -> None:
+        if self.recorder is not None:
+            for op, value in values.items():
+                self.recorder(t, li, op, value)
+
     def attention(self, t: int, li: int, x, cos, sin, kv: KVAddressing, rows: RowOps):
         w, cfg, n = self.layers[li], self.cfg, x.shape[0]
         d, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        if self.plan.stacked:
+        if self.kernels.stacked:
             q, k, v = rows("qkv_proj", x, w.qkv).split((heads * d, kv_heads * d, kv_heads * d), -1)
         else:
             q, k, v = (rows("qkv_proj", x, p) for p in (w.q, w.k, w.v))
-        q = q.view(1, n, heads, d).transpose(1, 2)
-        k = k.view(1, n, kv_heads, d).transpose(1, 2)
-        v = v.view(1, n, kv_heads, d).transpose(1, 2)
-        if self.recorder is not None:
-            for op, val in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                self.recorder(t, li, op, val.transpose(1, 2).reshape(n, -1))
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, N, d]
-        q = q * cos + rotate_half(q) * sin  # [1, Hq, N, d]
-        k = k * cos + rotate_half(k) * sin  # [1, Hkv, N, d]
+        self._record(t, li, q_proj=q, k_proj=k, v_proj=v)  # [N, heads * d]
+        q, k = rows.rotary(q.view(n, heads, d), k.view(n, kv_heads, d), cos, sin)  # [N, heads, d]
         plane, meta = kv.plane(t, li), kv.meta(t)
-        self.backend.write_kv(self.kv, plane, k[0].transpose(0, 1), v[0].transpose(0, 1), meta)
+        self.backend.write_kv(self.kv, plane, k, v.view(n, kv_heads, d), meta)
         o = self.backend.forward(  # [N, Hq * d]
-            q, plane, self.kv, meta, self.scaling, deterministic=self.plan.deterministic
-        )
-        if self.recorder is not None:
-            self.recorder(t, li, "attention", o)
+            q.transpose(0, 1)[None], plane, self.kv, meta, self.scaling,
+            deterministic=self.plan.deterministic,
+        )  # fmt: skip
+        self._record(t, li, attention=o)
         return rows("o_proj", o, w.o)
 
     def mlp(self, li: int, x: torch.Tensor, rows: RowOps) -> torch.Tensor:
         w = self.layers[li]
-        if self.plan.stacked:
+        if self.kernels.stacked:
             act = rows("silu_mul", rows("gate_up_proj", x, w.gate_up))
-        else:
+        else:  # HF-exact: the activation on separate gate and up tensors, as HF calls it
             gate, up = rows("gate_up_proj", x, w.gate), rows("gate_up_proj", x, w.up)
-            act = self.silu_mul(gate, up)
+            act = self.kernels.silu_mul(gate, up)
         return rows("down_proj", act, w.down)
 
-    def layer(self, t: int, li: int, h, cos, sin, kv: KVAddressing, rows: RowOps):
-        w, eps = self.layers[li], self.cfg.rms_norm_eps
-        a = self.attention(t, li, rows("rms_norm", h, w.ln, eps), cos, sin, kv, rows)
-        h = h + rows("rms_norm", a, w.ln_2, eps)
-        m = self.mlp(li, rows("rms_norm", h, w.post_ln, eps), rows)
-        if self.recorder is not None:
-            self.recorder(t, li, "mlp", m)
-        h = h + rows("rms_norm", m, w.post_ln_2, eps)
-        if self.recorder is not None:
-            self.recorder(t, li, "residual", h)
-        return h
-
     def loop(self, t: int, h, cos, sin, kv: KVAddressing, rows: RowOps) -> torch.Tensor:
-        """Loop ``t``: every layer, then the final norm (the fused loop in ``--mode fast``)."""
-        if self.fused is not None:
-            return self.fused.loop(t, h, cos, sin, kv, rows)
-        for li in range(self.cfg.num_hidden_layers):
-            h = self.layer(t, li, h, cos, sin, kv, rows)
-        return rows("rms_norm", h, self.norm, self.cfg.rms_norm_eps)
+        """Loop ``t``: every layer, then the final norm. Each residual add runs with the norm
+        after it (``RowOps.add_rms_norm``): the layer's post-attention norm, the next layer's
+        input norm or, after the last layer, the loop's final norm (the next loop's state)."""
+        eps, layers = self.cfg.rms_norm_eps, self.layers
+        x = rows("rms_norm", h, layers[0].ln, eps)
+        cos, sin = cos[0], sin[0]  # [N, d]
+        for li, w in enumerate(layers):  # KV plane t * L + li
+            a = self.attention(t, li, x, cos, sin, kv, rows)
+            x, h = rows.add_rms_norm(rows("rms_norm", a, w.ln_2, eps), h, w.post_ln, eps)
+            m = self.mlp(li, x, rows)
+            after = layers[li + 1].ln if li + 1 < len(layers) else self.norm
+            x, h = rows.add_rms_norm(rows("rms_norm", m, w.post_ln_2, eps), h, after, eps)
+            self._record(t, li, mlp=m, residual=h)
+        return x
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> StepOutput:
         """Every row through its loops, then the exit rule and the lm_head for the sampled
         rows: ``StepOutput`` (logits ``[R, vocab]`` bf16, exit loops, states, gates)."""
-        T, R = self.cfg.total_ut_steps, step.sample_rows.shape[0]
+        T, R, N = self.cfg.total_ut_steps, step.sample_rows.shape[0], step.input_ids.shape[0]
         h = F.embedding(step.input_ids, self.embed)  # [N, H]
         cos, sin = self.rope(step.positions, step.max_position)
         kept = step.kept
         if kept is not None:  # verify rows start from the state their drafts kept
             h = h.index_copy(0, kept.rows, kept.states[:, -1])
+        adaptive = Adaptive.start(self, step) if self.plan.adaptive_depth else None
         hs: list[list] = [[] for _ in range(T)]  # per loop: (sampled rows, their states)
         gates: list[list] = [[] for _ in range(T)]
-        early = Adaptive.start(self, step) if self.plan.adaptive_depth else None
-        spans = step.spans or (None,)
+        every_row_gates = self._every_row_gates(step, adaptive)
+        spans = self._as_run(step, adaptive)
         for span in spans:
-            x, c, s = (h, cos, sin) if span is None else self._enter(span, h, cos, sin)
-            kv = self._decode_form(step.kv if span is None else span.kv, step.kv, early)
-            split = step.prompt_rows if span is None else span.prompt_rows
-            ops = RowOps(self.kernels, split if self.plan.split else None)
-            for t in range(T) if span is None else span.loops:
+            x, c, s = h.index_select(0, span.rows), cos[:, span.rows], sin[:, span.rows]
+            kv, rows = span.kv, self.kernels.bind(span.prompt_rows)
+            for t in span.loops:
                 if x.shape[0]:  # adaptive depth may have sent every row home
-                    x = self.loop(t, x, c, s, kv, ops)
-                if early is not None and t < T - 1:
-                    x, c, s, kv = early.after_loop(t, x, c, s, kv)
-                at = None if span is None else span.samples
-                picked = self._picked(x, step, span, early)
-                hs[t].append((at, picked))
+                    x = self.loop(t, x, c, s, kv, rows)
+                if adaptive is not None and t < T - 1:
+                    x, c, s, kv = adaptive.after_loop(t, x, c, s, kv)
+                picked = self._picked(x, span, adaptive)
+                hs[t].append((span.samples, picked))
                 if step.exits.gated:
-                    gates[t].append((at, self._gate(x, picked, step, span, early)))
-            if span is not None and len(spans) > 1:
+                    at = span.rows if every_row_gates else span.samples
+                    gates[t].append((at, self._gate(x, picked, step, every_row_gates)))
+            if span is not spans[-1]:
                 h = h.index_copy(0, span.rows, x)  # the next span continues from here
-        states = torch.stack(
-            [self._assemble(parts, R, kept, t, "states") for t, parts in enumerate(hs)]
-        )
+        states = torch.stack([self._assemble(p, R, kept, t, "states") for t, p in enumerate(hs)])
         gate_t = None
         if step.exits.gated:
+            size = N if every_row_gates else R
             gate_t = torch.stack(
-                [self._assemble(parts, R, kept, t, "gates") for t, parts in enumerate(gates)]
+                [self._assemble(p, size, kept, t, "gates") for t, p in enumerate(gates)]
             )
-        return self._exit(states, gate_t, step, early)
+        return self._exit(states, gate_t, step, adaptive)
 
-    def _enter(self, span: Span, h, cos, sin):
-        return h.index_select(0, span.rows), cos[:, span.rows], sin[:, span.rows]
+    def _as_run(self, step: StepInputs, adaptive: Adaptive | None) -> list[Span]:
+        """The step's spans as their attention addresses K/V: as built, or in the static
+        decode form where the plan runs decode-only steps so (``LoopKernels.static_decode``,
+        the fast plan; without adaptive depth, which selects rows of the step as built): eager
+        as in a step graph (``hal.graphs``), in the whole step's context bucket (every span's),
+        so that a step's bits do not depend on whether it was replayed."""
+        whole, spans = step.kv.base, list(step.spans)
+        if not self.kernels.static_decode or adaptive is not None:
+            return spans
+        if isinstance(whole, StaticDecodeMetadata) or whole.num_tokens != whole.num_requests:
+            return spans  # already static (a captured step), or not decode-only
+        bs = whole.block_size
+        width = context_bucket(max(-(-(c + 1) // bs) for c in whole.host_context_lens))
+        form = partial(StaticDecodeMetadata.bucketed, width=width)
+        return [
+            attrs.evolve(span, kv=span.kv.map(form)) if span.kv.base.num_requests else span
+            for span in spans
+        ]
 
-    def _decode_form(self, kv: KVAddressing, whole: KVAddressing, early) -> KVAddressing:
-        """The fast plan runs a decode-only step in its static decode form, eager as in a step
-        graph (``hal.graphs``), in the whole step's context bucket (every span's): its bits do
-        not depend on whether the step was replayed."""
-        base, step = kv.base, whole.base
-        if self.fused is None or early is not None or isinstance(base, StaticDecodeMetadata):
-            return kv
-        if not base.num_requests or step.num_tokens != step.num_requests:
-            return kv
-        bs = step.block_size
-        width = context_bucket(max(-(-(c + 1) // bs) for c in step.host_context_lens))
-        return kv.map(lambda meta: StaticDecodeMetadata.bucketed(meta, width))
-
-    def _picked(self, x, step: StepInputs, span: Span | None, early) -> torch.Tensor:
-        """The state of the span's sampled rows after this loop."""
-        if early is not None:
-            return early.sampled(x)
-        return x.index_select(0, step.sample_rows if span is None else span.sample_at)
-
-    def _assemble(self, parts, R: int, kept: Kept | None, t: int, what: str) -> torch.Tensor:
-        """One loop's value for every sampled row, from the spans that ran it and, for rows
-        that start later, what their drafts kept (rows that stopped earlier: zeros, unread)."""
-        if len(parts) == 1 and parts[0][0] is None:
+    def _assemble(self, parts, size: int, kept: Kept | None, t: int, what: str) -> torch.Tensor:
+        """One loop's value for every sampled row (every row: HF-exact gates), from the spans
+        that ran it and, for rows that start later, what their drafts kept (rows that stopped
+        earlier: zeros, unread). Spans list their rows and samples ascending: one part of
+        ``size`` values is the whole."""
+        if len(parts) == 1 and parts[0][1].shape[0] == size:
             return parts[0][1]
         like = parts[0][1]
-        out = like.new_zeros((R, *like.shape[1:]))
+        out = like.new_zeros((size, *like.shape[1:]))
         if kept is not None:
             source = kept.states if what == "states" else kept.gates
             if source is not None and t < source.shape[1]:
@@ -351,16 +259,26 @@ class OuroModel:
         return out
 
     def _sampled_ops(self, step: StepInputs) -> RowOps:
-        return RowOps(self.kernels, step.prompt_samples if self.plan.split else None)
+        return self.kernels.bind(step.prompt_samples)
 
-    def _gate(self, x, picked, step: StepInputs, span, early) -> torch.Tensor:
-        """One loop's gate values: of every row of the step in HF-exact mode (the shapes HF
-        computes them in: all positions, ``F.linear`` with its bias), of the sampled rows
-        through the plan's kernel in deterministic mode, with adaptive depth or spans."""
-        if self.plan.deterministic or early is not None or span is not None:
-            g = self._sampled_ops(step)("exit_gate", picked, self.gate_weight)
-            return (g + self.gate_bias)[:, 0]  # [R]
-        return F.linear(x, self.gate_weight, self.gate_bias)[:, 0]  # [N]
+    def _every_row_gates(self, step: StepInputs, adaptive: Adaptive | None) -> bool:
+        """Whether a step's gates are computed for every row, in the shapes HF computes them
+        (all positions, ``F.linear`` with its bias): in HF-exact mode, for a one-span step
+        without adaptive depth. Otherwise for the sampled rows, by the plan's kernel."""
+        return not (self.plan.deterministic or adaptive is not None or len(step.spans) > 1)
+
+    def _gate(self, x, picked, step: StepInputs, every_row: bool) -> torch.Tensor:
+        """One loop's gate values: of every row ``[N]`` or of the sampled rows ``[R]``."""
+        if every_row:
+            return F.linear(x, self.gate_weight, self.gate_bias)[:, 0]  # [N]
+        g = self._sampled_ops(step)("exit_gate", picked, self.gate_weight)
+        return (g + self.gate_bias)[:, 0]  # [R]
+
+    def _picked(self, x, span: Span, adaptive: Adaptive | None) -> torch.Tensor:
+        """The state of the span's sampled rows after this loop."""
+        if adaptive is not None:
+            return adaptive.sampled(x)
+        return x.index_select(0, span.sample_at)
 
     def _pdf(self, gates: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """The exit distribution of each sampled row ``[R, T]``."""
@@ -369,13 +287,13 @@ class OuroModel:
         # One row at a time: every call has the same shape, whatever the step holds.
         return torch.cat([exit_pdf(gates[:, r : r + 1]) for r in range(gates.shape[1])])
 
-    def _exit(self, states, gates, step: StepInputs, early) -> StepOutput:
+    def _exit(self, states, gates, step: StepInputs, adaptive: Adaptive | None) -> StepOutput:
         """The exit rule and the lm_head, in one place for every kind of step."""
         R = states.shape[1]
         pdf = self._pdf(gates, step) if gates is not None else None
         chosen = step.exits.loops(pdf)
-        if early is not None:
-            chosen = early.exit_steps(chosen)
+        if adaptive is not None:
+            chosen = adaptive.exit_steps(chosen)
         selected = states[chosen, torch.arange(R, device=states.device)]  # [R, H]
         logits = self._sampled_ops(step)("lm_head", selected, self.lm_head)  # [R, V]
         weighted = step.exits.weighted
@@ -393,4 +311,4 @@ class OuroModel:
             logits.index_copy_(0, idx, expected)
         if gates is not None and gates.shape[1] != R:  # HF-exact: every row's; keep the sampled
             gates = gates.index_select(1, step.sample_rows)
-        return StepOutput(logits, chosen, states, gates)
+        return StepOutput(logits=logits, chosen=chosen, states=states, gates=gates)
