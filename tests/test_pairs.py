@@ -1,6 +1,6 @@
 """Features that combine, each with the guarantee it keeps, on the EMULATED npu (a test double
 for step graphs and fused kernels, ``drivers.npu``) and cpu; and the pairs that are refused,
-from one declaration with its reason (``runtime_glue.engine.refusals.REFUSED``).
+from one declaration with its reason (``runtime_glue.engine.args.REFUSED``, checked by ``runtime_glue.engine.refusals``).
 
 - speculation x step graphs: draft and verify steps are captured; a replayed step equals the
   same step run eagerly bit for bit in every mode, and in deterministic mode speculative
@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 
 from runtime_glue.checks.parity import within_tolerance
-from runtime_glue.engine.args import EngineArgs
+from runtime_glue.engine.args import REFUSED, SET, EngineArgs
 from runtime_glue.engine.llm import LLM
-from runtime_glue.engine.refusals import REFUSED, SET, check_engine
+from runtime_glue.engine.refusals import check_engine
 from runtime_glue.engine.sampling import SamplingParams
 from tests.helpers import GREEDY
 from tests.test_kv_sharing import PROMPTS

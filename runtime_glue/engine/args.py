@@ -17,8 +17,6 @@ from typing import Any
 
 import attrs
 
-from runtime_glue.engine.refusals import REFUSED, SET
-
 DEFAULT_TOY_PRESET = "small"
 
 
@@ -84,6 +82,33 @@ def from_fields(cls: type, args: argparse.Namespace | dict, **overrides: Any) ->
     given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     values = {f.name: given[f.name] for f in attrs.fields(cls) if f.name in given}
     return cls(**{**values, **overrides})
+
+
+SET = object()  # in REFUSED: the option is given at all
+
+# Every pair of options that does not combine, each with its arithmetic reason, checked where
+# engines are made (runtime_glue.engine.refusals.check_engine). Everything else combines
+# (README, "What combines with what"; tests/test_refusals.py builds every pair).
+REFUSED = (
+    (
+        "speculative_loops", SET, "kv_sharing", "last",
+        "under kv sharing a generated position's K/V is its last loop's, and a verify row "
+        "cannot see the earlier drafts' last-loop K/V (their last loop runs in the same step)",
+    ),
+    (
+        "speculative_loops", SET, "adaptive_depth", True,
+        "adaptive depth changes the model's arithmetic, and speculation verifies against the "
+        "full depth",
+    ),
+    (
+        "step_graphs", True, "adaptive_depth", True,
+        "deciding which rows leave after each loop reads the device, which a graph cannot",
+    ),
+    (
+        "num_blocks", SET, "kv_cache_memory", SET,
+        "both size the KV pool; give one",
+    ),
+)  # fmt: skip
 
 
 @attrs.frozen(kw_only=True)

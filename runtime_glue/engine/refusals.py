@@ -9,7 +9,8 @@ choices consult :func:`why_not` and say in the plan's notes what they left off.)
 
 The declaration has three parts:
 
-- ``REFUSED``: pairs of options that do not combine, each with its arithmetic reason;
+- ``REFUSED``: pairs of options that do not combine, each with its arithmetic reason (declared
+  with the options, ``runtime_glue.engine.args``);
 - ``CAPABILITIES``: what an option needs of the driver or the attention backend;
 - ``BOUNDS``: the ranges of options that depend on the model or another option.
 """
@@ -20,33 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from hal.interfaces import AttentionBackend, Driver
+from runtime_glue.engine.args import REFUSED, SET
 
-SET = object()  # in REFUSED: the option is given at all
 MAX_SPECULATIVE_TOKENS = 63  # a verify step's rows fit one generated-row tile (64)
 DEFAULT_SPECULATIVE_TOKENS = 4
-
-# Every pair of options that does not combine, each with its arithmetic reason. Everything
-# else combines (README, "What combines with what"; tests/test_pairs.py builds every pair).
-REFUSED = (
-    (
-        "speculative_loops", SET, "kv_sharing", "last",
-        "under kv sharing a generated position's K/V is its last loop's, and a verify row "
-        "cannot see the earlier drafts' last-loop K/V (their last loop runs in the same step)",
-    ),
-    (
-        "speculative_loops", SET, "adaptive_depth", True,
-        "adaptive depth changes the model's arithmetic, and speculation verifies against the "
-        "full depth",
-    ),
-    (
-        "step_graphs", True, "adaptive_depth", True,
-        "deciding which rows leave after each loop reads the device, which a graph cannot",
-    ),
-    (
-        "num_blocks", SET, "kv_cache_memory", SET,
-        "both size the KV pool; give one",
-    ),
-)  # fmt: skip
 
 
 def _graphs_offered(driver: Driver, backend: AttentionBackend) -> str | None:
