@@ -105,9 +105,26 @@ def test_every_pair_through_every_entry_point_is_the_one_refusal_or_the_exact_pl
         assert str(err.value) == str(constructed)
         assert "cannot be combined with" in str(err.value)
         return
+    engine = _through(entry, pair, built)
+    tokens = _tokens(engine)
+    _assert_runs(engine, pair)  # no feature asked for was left off on the way
     reference = built(tuple(f for f in pair if f not in EXACT))
     assert isinstance(reference, LLM), reference
-    assert _tokens(_through(entry, pair, built)) == _tokens(reference)
+    if reference is not engine:  # without exact features the constructor is the reference
+        assert tokens == _tokens(reference)
+
+
+def _assert_runs(llm: LLM, pair) -> None:
+    """Each feature of ``pair`` is on in ``llm`` and did its work in the last generate."""
+    stats, engine = llm.engine.stats, llm.engine
+    on = {
+        "speculation": stats.get("spec_verify_steps", 0) > 0,
+        "graphs": engine.graphs is not None and engine.graphs.stats["graph_steps"] > 0,
+        "fast": llm.plan.mode == "fast",
+        "sharing": engine.shared is not None and llm.args.kv_sharing == "last",
+        "adaptive": llm.plan.adaptive_depth,
+    }
+    assert all(on[f] for f in pair), {f: on[f] for f in pair}
 
 
 def test_a_refused_pair_built_after_the_fact_raises_before_it_generates(built):

@@ -153,7 +153,8 @@ def _llm(args, tokens: int, spec_tokens: int | None = None, **overrides):
     the scratch blocks step graphs reserve for padding rows if they are on, for speculation
     with up to ``spec_tokens`` drafts (default: the options')."""
     from runtime_glue.engine.graphs import group_limits, scratch_blocks
-    from runtime_glue.engine.llm import DEFAULT_SPECULATIVE_TOKENS, build_llm
+    from runtime_glue.engine.llm import build_llm
+    from runtime_glue.engine.refusals import DEFAULT_SPECULATIVE_TOKENS
 
     if spec_tokens is None and args.speculative_loops is not None:
         spec_tokens = args.num_speculative_tokens or DEFAULT_SPECULATIVE_TOKENS

@@ -272,7 +272,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan and self.waiting and not self.running:
-            self.allocator.reclaim(wait=True)  # pages behind a fence: wait for them
+            self.kv.reclaim(wait=True)  # pages behind a fence: wait for them
             plan = self.scheduler.schedule()
             if not plan:  # the whole pool is this request's, and it still does not fit
                 return [self._never_fits(self.waiting[0])]
@@ -322,7 +322,7 @@ class Engine:
             if replayed is not None:
                 return replayed
         out = self.model.forward(host.inputs(self.device.torch_device, self.device.pin_memory))
-        return Replayed(out, None, None)
+        return Replayed(out=out, picks=None, packed=None)
 
     def _apply(self, s, mine: list[int], sampled: Sampled, fence, host: HostStep) -> list[int]:
         """What one request's rows computed; the sampled rows whose tokens it emits."""

@@ -109,7 +109,9 @@ def static_inputs(model: OuroModel, buf: StaticBuffers, early: int | None) -> St
         return KVAddressing(cfg.num_hidden_layers, num_slots, tuple(metas))
 
     B = buf.shape.total
-    rule = ExitRule(v["exit_step"], v["use_threshold"], v["threshold"], (), True)
+    rule = ExitRule(
+        step=v["exit_step"], use_threshold=v["use_threshold"], threshold=v["threshold"], gated=True
+    )
     whole = kv_of(None)
     spans = tuple(
         Span(
@@ -119,6 +121,7 @@ def static_inputs(model: OuroModel, buf: StaticBuffers, early: int | None) -> St
             samples=samples,
             sample_at=at,
             prompt_rows=0,
+            whole=len(s.rows) == B,
         )
         for s, (rows, samples, at) in zip(buf.layout.spans, buf.span_index, strict=True)
     )

@@ -254,16 +254,25 @@ def _decode_row(token: int, position: int, page: int, mode: ExitMode) -> Request
 
 
 def _real_rows(outputs, real: list[int]) -> Replayed:
+    """The replayed step's outputs for its real rows (``real``: where they sit among the
+    padded): a view when they lead, as in the common case (one group, padding after it)."""
     logits, chosen, states, gates, picks, packed = outputs
-    out = StepOutput(logits=logits, chosen=chosen, states=states, gates=gates)
     n = len(real)
-    if real == list(range(n)):  # the common case: one group, padding after it
-        cut = StepOutput(logits=out.logits[:n], chosen=out.chosen[:n], states=out.states[:, :n],
-                         gates=None if out.gates is None else out.gates[:, :n])  # fmt: skip
-        return Replayed(cut, picks[:, :n], packed[:n])
-    idx = torch.tensor(real, dtype=torch.int64, device=out.logits.device)
-    cut = StepOutput(logits=out.logits.index_select(0, idx),
-                     chosen=out.chosen.index_select(0, idx),
-                     states=out.states.index_select(1, idx),
-                     gates=None if out.gates is None else out.gates.index_select(1, idx))  # fmt: skip
-    return Replayed(cut, picks.index_select(1, idx), packed.index_select(0, idx))
+    if real == list(range(n)):
+
+        def rows(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+            return x.narrow(dim, 0, n)
+
+    else:
+        idx = torch.tensor(real, dtype=torch.int64, device=logits.device)
+
+        def rows(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+            return x.index_select(dim, idx)
+
+    cut = StepOutput(
+        logits=rows(logits),
+        chosen=rows(chosen),
+        states=rows(states, 1),
+        gates=None if gates is None else rows(gates, 1),
+    )
+    return Replayed(out=cut, picks=rows(picks, 1), packed=rows(packed))

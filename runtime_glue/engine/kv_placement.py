@@ -145,11 +145,11 @@ class SharedDecode(PerDepth):
     def pool_refusal(self, prompt_len: int, tokens: int, pool_blocks: int) -> str | None:
         blocks = prompt_blocks(prompt_len, self.block_size)
         blocks += self.shared.physical_for(self.allocator.blocks_for(tokens) - blocks)
-        if blocks <= self.allocator.num_blocks:
+        if blocks <= pool_blocks:
             return None
         return (
             f"needs {blocks} blocks of KV cache under kv sharing, but the whole pool has "
-            f"{self.allocator.num_blocks} blocks of {self.block_size}"
+            f"{pool_blocks} blocks of {self.block_size}"
         )
 
     def take(self, req: Request, tokens: int) -> bool:
@@ -182,9 +182,10 @@ class SharedDecode(PerDepth):
         return True
 
     def release(self, req: Request, fence: Fence | None) -> None:
-        if req.gen_blocks:
-            self.shared.free_after(req.gen_blocks, fence)
-        super().release(req, fence)
+        generated = req.gen_blocks
+        super().release(req, fence)  # its pages first, as the pool saw them taken
+        if generated:
+            self.shared.free_after(generated, fence)
 
     def trim(self, req: Request, tokens: int, fence: Fence | None) -> None:
         total = self.allocator.blocks_for(tokens)

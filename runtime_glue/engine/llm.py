@@ -123,7 +123,8 @@ class LLM:
         registry = registry or default_registry()
         self.driver = registry.create(args.device, **(driver_options or {}))
         self.driver.device.initialize()
-        self._check()  # an unknown backend or a refused option fails before loading weights
+        self._check(args.attention_backend)  # an unknown backend or a refused option fails
+        # before the weights load
         weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
         cfg = self.config
         probe = KVLayout(cfg.num_planes, 1, args.block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -145,10 +146,11 @@ class LLM:
         self._build(plan)
         self._next_id = 0
 
-    def _check(self) -> None:
+    def _check(self, attention: str | None) -> None:
         """The one check every engine passes (``runtime_glue.engine.refusals``), on the
-        options this one runs with."""
-        backend = self.driver.backend(self.args.attention_backend)
+        options this one runs with and the attention backend it runs (``attention``: before
+        the plan, the one asked for; after it, the plan's)."""
+        backend = self.driver.backend(attention)
         check_engine(self.args, self.driver, backend, self.config.total_ut_steps)
 
     def _resolve(self, registry: Registry | None = None) -> ExecutionPlan:
@@ -177,7 +179,8 @@ class LLM:
         return plan
 
     def _build(self, plan: ExecutionPlan) -> None:
-        self._check()
+        self._check(plan.attention)
+        self.resolved = plan  # as resolved, before this engine's notes and admissions
         self.plan = plan
         self.speculative = speculative_config(self.args)
         logger.info("execution plan: %s", plan.describe())
@@ -193,7 +196,9 @@ class LLM:
             why = why_not(asked, self.driver, backend, self.config.total_ut_steps)
             if why is None:
                 graphs = self.driver.step_graphs()
-            else:  # not asked for (a refusal of an asked option raised in _check)
+            elif wanted:
+                raise ValueError(why)
+            else:
                 note = f"step graphs off: {why}".replace("--step-graphs: ", "")
                 logger.info("%s", note)
                 plan = attrs.evolve(plan, notes=(*plan.notes, note))
@@ -242,7 +247,7 @@ class LLM:
             exit_threshold=defaults.threshold,
             remeasure_plan=False,
         )
-        other._check()  # before the plan's kernel trials
+        other._check(other.args.attention_backend)  # before the plan's kernel trials
         other._build(other._resolve())
         return other
 
@@ -252,7 +257,7 @@ class LLM:
         two at a time, as with :meth:`variant`; refused as the constructor refuses."""
         other = copy.copy(self)
         other.args = attrs.evolve(self.args, speculative_loops=loops, num_speculative_tokens=tokens)
-        other._build(self.plan)
+        other._build(self.resolved)
         return other
 
     def _grammar_compiler(self):

@@ -137,8 +137,3 @@ def check_engine(
     why = why_not(args, driver, backend, total_loops)
     if why is not None:
         raise ValueError(why)
-
-
-def reason(a: str, b: str) -> str:
-    """Why options ``a`` and ``b`` do not combine (from ``REFUSED``)."""
-    return next(why for x, _, y, _, why in REFUSED if {x, y} == {a, b})

@@ -138,8 +138,16 @@ class Speculator:
         if j <= spec.k:  # draft step j: position c + j
             ids = (token,) if j == 0 else (drafts[j - 1],)
             return Entry(ctx=c + j, ids=ids, k=spec.k, drafts=drafts, **draft)
-        return Entry(kind="verify", ctx=c, ids=(token, *drafts), k=spec.k, drafts=drafts,
-                     mode=None, states=tuple(spec.states), gates=tuple(spec.gates))  # fmt: skip
+        return Entry(
+            kind="verify",
+            ctx=c,
+            ids=(token, *drafts),
+            k=spec.k,
+            drafts=drafts,
+            mode=None,
+            states=tuple(spec.states),
+            gates=tuple(spec.gates),
+        )
 
     @staticmethod
     def order(req: Request, entry: Entry | None) -> int:

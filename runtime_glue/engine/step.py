@@ -128,7 +128,9 @@ class HostStep:
             prompt_rows=self.prompt_rows,
             prompt_samples=self.prompt_samples,
             max_position=max(self.positions),
-            exits=ExitRule(step, use, bits, weighted, self.gated),
+            exits=ExitRule(
+                step=step, use_threshold=use, threshold=bits, weighted=weighted, gated=self.gated
+            ),
             host_sample_rows=tuple(self.sample_rows),
             spans=_spans(layout, kv, moved[6:], self.prompt_rows),
             kept=self._kept(moved[-2:]),
@@ -160,6 +162,7 @@ def _spans(
     """The layout's spans on the device (``t``: each span's rows, samples and sample_at);
     a span of every attention entry is addressed as the step is."""
     every = tuple(range(kv.base.num_requests))
+    rows = kv.base.num_tokens
     return tuple(
         Span(
             loops=s.loops,
@@ -168,6 +171,7 @@ def _spans(
             samples=t[3 * i + 1],
             sample_at=t[3 * i + 2],
             prompt_rows=prompt_rows,
+            whole=len(s.rows) == rows,
         )
         for i, s in enumerate(layout.spans)
     )
@@ -266,7 +270,13 @@ def sequence_inputs(
         prompt_rows=prompt_rows,
         prompt_samples=len(rows) if prompt else 0,
         max_position=ctx + n - 1,
-        exits=ExitRule(moved[3], moved[4], moved[5], weighted, gated),
+        exits=ExitRule(
+            step=moved[3],
+            use_threshold=moved[4],
+            threshold=moved[5],
+            weighted=weighted,
+            gated=gated,
+        ),
         host_sample_rows=tuple(rows),
         spans=_spans(layout, kv, moved[6:], prompt_rows),
         modes=tuple(modes),

@@ -76,7 +76,7 @@ def bf16_bits(x: float) -> int:
     return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, kw_only=True)
 class ExitRule:
     """Each sampled row's exit rule as device tensors, the same in an eager step and in a
     replayed step graph (the exit loop chosen on the device: :meth:`loops`).

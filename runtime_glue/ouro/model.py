@@ -199,7 +199,7 @@ class OuroModel:
         every_row_gates = self._every_row_gates(step, adaptive)
         spans = self._as_run(step, adaptive)
         for span in spans:
-            x, c, s = h.index_select(0, span.rows), cos[:, span.rows], sin[:, span.rows]
+            x, c, s = (h, cos, sin) if span.whole else self._enter(span, h, cos, sin)
             kv, rows = span.kv, self.kernels.bind(span.prompt_rows)
             for t in span.loops:
                 if x.shape[0]:  # adaptive depth may have sent every row home
@@ -221,6 +221,11 @@ class OuroModel:
                 [self._assemble(p, size, kept, t, "gates") for t, p in enumerate(gates)]
             )
         return self._exit(states, gate_t, step, adaptive)
+
+    @staticmethod
+    def _enter(span: Span, h, cos, sin):
+        """The span's rows of the step's state and rotary tables."""
+        return h.index_select(0, span.rows), cos[:, span.rows], sin[:, span.rows]
 
     def _as_run(self, step: StepInputs, adaptive: Adaptive | None) -> list[Span]:
         """The step's spans as their attention addresses K/V: as built, or in the static

@@ -26,6 +26,7 @@ class Span:
     samples: torch.Tensor  # [m] int64: which sampled rows are among them, ascending ...
     sample_at: torch.Tensor  # [m] int64: ... and where within the span
     prompt_rows: int  # the span's first rows that are prompt positions
+    whole: bool = False  # rows is every row of the step, in order (nothing to gather)
 
 
 @attrs.frozen(eq=False, kw_only=True)
