@@ -127,17 +127,17 @@ class Speculator:
         Changes nothing: a round begins when its first draft step is applied."""
         spec, c = req.spec, req.num_computed
         token = req.output_ids[-1] if req.output_ids else req.prompt_ids[-1]
-        draft = dict(kind="draft", mode=self.proposer.mode)
+        mode = self.proposer.mode
         if spec is None:
             last = len(req.prompt_ids) + len(req.output_ids) - 1
             k = min(self.k_of(req), req.params.max_tokens - len(req.output_ids) - 1)
             if req.in_prefill or c != last or k < 1:
                 return None
-            return Entry(ctx=c, ids=(token,), k=k, drafts=(), **draft)
+            return Entry(kind="draft", ctx=c, ids=(token,), k=k, drafts=(), mode=mode)
         j, drafts = len(spec.states), tuple(spec.drafts)
         if j <= spec.k:  # draft step j: position c + j
             ids = (token,) if j == 0 else (drafts[j - 1],)
-            return Entry(ctx=c + j, ids=ids, k=spec.k, drafts=drafts, **draft)
+            return Entry(kind="draft", ctx=c + j, ids=ids, k=spec.k, drafts=drafts, mode=mode)
         return Entry(
             kind="verify",
             ctx=c,
