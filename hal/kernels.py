@@ -99,7 +99,8 @@ def hf_add_rms_norm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tenso
     return hf_rms_norm(total, weight, eps), total
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's ``rotate_half`` (NeoX): ``[-x2, x1]`` along the last dimension."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -107,7 +108,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def hf_rotary(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's ``apply_rotary_pos_emb`` on ``[N, heads, d]`` queries and keys (bf16 throughout)."""
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, d]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 TORCH_KERNELS = (

@@ -58,30 +58,53 @@ class PerDepth:
 
     def take(self, req: Request, tokens: int) -> bool:
         """Allocate what ``req`` lacks for its first ``tokens`` positions: all or none."""
-        need, _ = self.needs(req, tokens)
+        need, gen_need = self.needs(req, tokens)
         pages = self.allocator.allocate(need) if need else []
         if pages is None:
             return False
+        gen = self._allocate_generated(gen_need)
+        if gen is None:
+            self.allocator.free_after(pages, None)  # never used
+            return False
         req.blocks += pages
+        req.gen_blocks += gen
         return True
 
     def admit(self, req: Request, cached: list[int], running: int) -> bool:
         """Give a starting ``req`` its pages past the ``cached`` ones, leaving a page for each
         of the ``running`` requests to grow into; False (nothing taken) if they cannot be had."""
-        need = self.needs(req, req.num_tokens)[0] - len(cached)
+        need, gen_need = self.needs(req, req.num_tokens)
+        need -= len(cached)
         self.allocator.reclaim()
-        if need + running > self.allocator.num_free:
+        if not self._fits(need, gen_need, running):
             return False
         fresh = self.allocator.allocate(need)
-        if fresh is None:
+        gen = None if fresh is None else self._allocate_generated(gen_need)
+        if fresh is None or gen is None:
+            if fresh:
+                self.allocator.free_after(fresh, None)
             return False
-        req.blocks, req.gen_blocks = cached + fresh, []
+        req.blocks, req.gen_blocks = cached + fresh, gen
         return True
 
     def release(self, req: Request, fence: Fence | None) -> None:
-        if req.blocks:
+        generated = req.gen_blocks
+        if req.blocks:  # its pages first, then its generated blocks, as they were taken
             self.allocator.free_after(req.blocks, fence)
         req.blocks, req.gen_blocks = [], []
+        if generated:
+            self._free_generated(generated, fence)
+
+    # What a placement with generated blocks refines (here every block is a page).
+
+    def _fits(self, need: int, gen_need: int, running: int) -> bool:
+        return need + running <= self.allocator.num_free
+
+    def _allocate_generated(self, n: int) -> list[int] | None:
+        return []
+
+    def _free_generated(self, blocks: list[int], fence: Fence | None) -> None:
+        raise RuntimeError(f"generated blocks {blocks} in a placement without them")
 
     def trim(self, req: Request, tokens: int, fence: Fence | None) -> None:
         """Free ``req``'s pages past its first ``tokens`` positions (rejected drafts only)."""
@@ -152,40 +175,14 @@ class SharedDecode(PerDepth):
             f"{pool_blocks} blocks of {self.block_size}"
         )
 
-    def take(self, req: Request, tokens: int) -> bool:
-        need, gen_need = self.needs(req, tokens)
-        pages = self.allocator.allocate(need) if need else []
-        if pages is None:
-            return False
-        gen = self.shared.allocate(gen_need) if gen_need else []
-        if gen is None:
-            self.allocator.free_after(pages, None)  # never used
-            return False
-        req.blocks += pages
-        req.gen_blocks += gen
-        return True
+    def _fits(self, need: int, gen_need: int, running: int) -> bool:
+        return self.shared.fits(need, gen_need + running)
 
-    def admit(self, req: Request, cached: list[int], running: int) -> bool:
-        need, gen_need = self.needs(req, req.num_tokens)
-        need -= len(cached)
-        self.allocator.reclaim()
-        if not self.shared.fits(need, gen_need + running):
-            return False
-        fresh, gen = self.allocator.allocate(need), self.shared.allocate(gen_need)
-        if fresh is None or gen is None:
-            if fresh:
-                self.allocator.free_after(fresh, None)
-            if gen:
-                self.shared.free_after(gen, None)
-            return False
-        req.blocks, req.gen_blocks = cached + fresh, gen
-        return True
+    def _allocate_generated(self, n: int) -> list[int] | None:
+        return self.shared.allocate(n) if n else []
 
-    def release(self, req: Request, fence: Fence | None) -> None:
-        generated = req.gen_blocks
-        super().release(req, fence)  # its pages first, as the pool saw them taken
-        if generated:
-            self.shared.free_after(generated, fence)
+    def _free_generated(self, blocks: list[int], fence: Fence | None) -> None:
+        self.shared.free_after(blocks, fence)
 
     def trim(self, req: Request, tokens: int, fence: Fence | None) -> None:
         total = self.allocator.blocks_for(tokens)

@@ -26,7 +26,7 @@ import torch
 
 from hal.graphs import StaticDecodeMetadata
 from hal.interfaces import AttentionBackend, Driver
-from hal.kernels import Kernel, KernelUnavailable
+from hal.kernels import Kernel, KernelUnavailable, rotate_half
 from hal.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.ouro.config import OuroConfig
@@ -54,11 +54,6 @@ def _verdict(op: str, name: str, got, exact, bound, what: str) -> Admission:
 def _norm_f64(x, w, eps):
     x, w = x.double().cpu(), w.double().cpu()
     return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), -1)
 
 
 def _worst(verdicts: Iterable[Admission]) -> Admission:
@@ -124,7 +119,7 @@ def _check_rotary(kernel: Kernel, cfg: OuroConfig, rows: int, gen, device) -> Ad
 def _rotary_verdicts(kernel: Kernel, pairs, c, s):
     for got, x in pairs:
         x = x.double().cpu()
-        a, b = x * c, _rotate_half(x) * s
+        a, b = x * c, rotate_half(x) * s
         v = _verdict("rotary", kernel.name, got, a + b, (a.abs() + b.abs()) * 2.0**-7,
                      "2^-7 of |x cos| + |rotate_half(x) sin|")  # fmt: skip
         yield v

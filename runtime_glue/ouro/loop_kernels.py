@@ -21,12 +21,8 @@ import attrs
 import torch
 
 from hal.interfaces import Driver
+from hal.kernels import rotate_half
 from runtime_glue.ouro.plan import KINDS, OPS, ExecutionPlan, hal_op, row_function
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def hf_rotary(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
