@@ -177,6 +177,8 @@ class Driver:
 
     ``kernels`` are the driver's own implementations of the ops in ``hal.kernels.OPS``; torch's
     forms (``hal.kernels.TORCH_KERNELS``, named "torch") are always offered besides them.
+    Quantized linear kernels (``Kernel.scheme``) are offered only by drivers that list them:
+    ``quantization_schemes`` are the schemes a driver runs.
     ``fused_backends`` are attention backends that only a fast plan may use, once admitted
     by a check on the device (``--mode fast``); ``backend(name)`` finds them too.
     """
@@ -222,9 +224,20 @@ class Driver:
         """The driver's step graphs (``hal.graphs``), or None where it has none (cpu)."""
         return None
 
-    def kernels_for(self, op: str) -> tuple[Kernel, ...]:
-        """Every kernel offered for ``op``, torch's first."""
-        return tuple(k for k in self.kernels if k.op == op)
+    def kernels_for(self, op: str, scheme: str | None = None) -> tuple[Kernel, ...]:
+        """Every kernel offered for ``op`` (and weight ``scheme``, where given), torch's first."""
+        return tuple(
+            k for k in self.kernels if k.op == op and (scheme is None or k.scheme == scheme)
+        )
+
+    @property
+    def quantization_schemes(self) -> tuple[str, ...]:
+        """The weight-only schemes (``hal.quant``) this driver runs: those of its linear
+        kernels. A driver runs a scheme by offering a kernel for it (at least
+        ``hal.quant.REFERENCE_KERNELS``' one)."""
+        return tuple(
+            dict.fromkeys(k.scheme for k in self.kernels_for("linear") if k.scheme != "bf16")
+        )
 
     def kernel(self, op: str, name: str) -> Kernel:
         for k in self.kernels_for(op):

@@ -8,7 +8,8 @@ the conformance kit checks every offered kernel against float64 and every claim 
 
 Ops and their call signatures:
 
-- ``linear``: ``fn(x [..., K], w [N, K]) -> [..., N]`` (no bias).
+- ``linear``: ``fn(x [..., K], w [N, K]) -> [..., N]`` (no bias); a quantized kernel takes
+  a ``hal.quant.QuantizedWeight`` as ``w`` (``Kernel.scheme``).
 - ``rms_norm``: ``fn(x [..., H], weight [H], eps) -> [..., H]``: HF's RMSNorm.
 - ``silu_mul``: ``fn(gate [M, I], up [M, I]) -> [M, I]``: the MLP's ``silu(gate) * up``.
   ``gate`` and ``up`` may be views with the same row stride (halves of a stacked
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 OPS = ("linear", "rms_norm", "silu_mul", "add_rms_norm", "rotary")
+WEIGHT_SCHEMES = ("bf16", "int8", "int4")  # "bf16", then hal.quant.SCHEMES
 
 
 class KernelUnavailable(RuntimeError):
@@ -53,6 +55,9 @@ class Kernel:
     - ``column_invariant`` (linear): each output column is computed alone, so one call on
       stacked weights (q|k|v) gives the bits of separate calls.
 
+    ``scheme`` (linear): the weights it takes: "bf16" (a tensor ``[N, K]``), or a quantized
+    scheme of ``hal.quant`` (a ``QuantizedWeight``).
+
     ``fast_only``: a fused kernel that only ``--mode fast`` may use, and only once a check on
     the device has admitted it (no other mode ever chooses it).
 
@@ -67,6 +72,7 @@ class Kernel:
     row_invariant: bool = False
     column_invariant: bool = False
     fast_only: bool = False
+    scheme: str = attrs.field(default="bf16", validator=attrs.validators.in_(WEIGHT_SCHEMES))
     check: Callable[[], None] = _always_available
     description: str = ""
     # Changes whenever the kernel's code does: it keys the execution plan's cached timings.

@@ -14,6 +14,7 @@ from drivers.cpu import kernels
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import CompletedFence, Device, Driver, Fence
 from hal.kernels import KernelUnavailable
+from hal.quant import REFERENCE_KERNELS
 from hal.types import AttentionMetadata, KVLayout
 
 logger = logging.getLogger(__name__)
@@ -119,4 +120,5 @@ def create(index: int | None = None) -> CpuDriver:
     if index not in (None, 0):
         raise ValueError(f"the cpu driver has one device, index 0; got cpu:{index}")
     backends = {"cpu_eager": CpuEagerBackend()}
-    return CpuDriver("cpu", CpuDevice(), backends, "cpu_eager", kernels.KERNELS)
+    offered = (*REFERENCE_KERNELS, *kernels.KERNELS)
+    return CpuDriver("cpu", CpuDevice(), backends, "cpu_eager", offered)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from drivers.cuda.graphs import CudaStepGraphs
 from hal.eager import EagerBackend, TensorKVStore, causal_mask, paged_attention, repeat_kv
 from hal.interfaces import AttentionBackend, Device, Driver, EventFence, Fence
+from hal.quant import REFERENCE_KERNELS
 from hal.types import KVLayout
 
 
@@ -82,4 +83,4 @@ class CudaDriver(Driver):
 
 def create(index: int | None = None) -> CudaDriver:
     backends = {"cuda_eager": CudaEagerBackend(), "cuda_sdpa": CudaSdpaBackend()}
-    return CudaDriver("cuda", CudaDevice(index or 0), backends, "cuda_eager")
+    return CudaDriver("cuda", CudaDevice(index or 0), backends, "cuda_eager", REFERENCE_KERNELS)

@@ -19,6 +19,7 @@ from drivers.npu.emulation import emulation_requested
 from drivers.npu.graphs import NpuStepGraphs
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import Device, Driver, EventFence, Fence
+from hal.quant import REFERENCE_KERNELS
 from hal.types import KVLayout
 
 
@@ -223,7 +224,7 @@ def create(
         device,
         {"ascend_eager": AscendEagerBackend()},
         "ascend_eager",
-        kernels=fused.kernels(device),
+        kernels=(*REFERENCE_KERNELS, *fused.kernels(device)),
         fused_backends={"ascend_fia": fused.AscendFiaBackend(device)},
     )
     driver.label = device.label

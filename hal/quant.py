@@ -1,0 +1,208 @@
+"""Weight-only quantization: the schemes, their one canonical layout, and the reference.
+
+A projection weight ``w [N, K]`` (bf16) becomes a :class:`QuantizedWeight`:
+
+- ``int8``: symmetric, one scale per output channel. ``qweight`` int8 ``[N, K]`` in
+  ``[-127, 127]``, ``scale`` bf16 ``[N]`` (``bf16(amax / 127)``). Value ``q * scale``.
+- ``int4``: symmetric, one scale per ``group_size`` (32, 64 or 128) inputs of a channel, as
+  llama.cpp's Q4_0: the group's largest-magnitude weight ``m`` maps to -8 (``scale =
+  bf16(m / -8)``), ``q = clamp(round(w / scale), -8, 7)``. ``qweight`` uint8 ``[N, K // 2]``
+  holds ``q + 8``: each 32 inputs of a row in 16 bytes, byte ``j`` holding input ``j`` in its
+  low nibble and input ``j + 16`` in its high one (one 16-byte load gives 32 values in order).
+  ``scale`` bf16 ``[N, K // group_size]``. Value ``q * scale``.
+
+Every driver's quantized ``linear`` kernel (``hal.kernels.Kernel`` with ``scheme`` "int8" or
+"int4") is called ``fn(x [..., K] bf16, w: QuantizedWeight) -> [..., N] bf16``. A kernel that
+needs another layout (a device's packing) derives it once per weight with
+:meth:`QuantizedWeight.form`.
+
+The reference (:data:`REFERENCE_KERNELS`, named "int8-dequant" and "int4-dequant") is
+``F.linear(x, w.dequantize())``: Hugging Face's arithmetic on the dequantized bf16 weights,
+so a quantized model in HF-exact mode equals the HF reference run on
+:func:`dequantized <QuantizedWeight.dequantize>` weights, bit for bit. A driver runs a
+scheme when it offers a kernel for it (``Driver.quantization_schemes``); the cpu, cuda and npu
+drivers offer the reference besides their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from hal.kernels import Kernel, _big_columns, adversarial_rows
+
+SCHEMES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+INT4_CHUNK = 32  # inputs per 16 packed bytes
+
+
+def check_scheme(scheme: str, group_size: int | None = None) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if scheme == "int4" and group_size not in GROUP_SIZES:
+        raise ValueError(
+            f"int4 quantization's group size must be one of {GROUP_SIZES}, got {group_size!r}"
+        )
+
+
+@attrs.frozen(eq=False)
+class QuantizedWeight:
+    """One projection's quantized weight ``[N, K]`` (see the module docstring's layout)."""
+
+    scheme: str
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    group_size: int  # inputs per scale: K for int8
+    in_features: int
+    # Derived layouts some kernels use (a device's packing), made once per weight.
+    forms: dict[str, Any] = attrs.field(factory=dict, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.qweight.shape[0], self.in_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a projection reads: the packed weight and its scales."""
+        return self.qweight.nbytes + self.scale.nbytes
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Output channels ``start:stop`` (views): a member of a stacked projection."""
+        return attrs.evolve(
+            self, qweight=self.qweight[start:stop], scale=self.scale[start:stop], forms={}
+        )
+
+    def form(self, key: str, make: Callable[[QuantizedWeight], Any]) -> Any:
+        """``make(self)``, computed on first use and kept with the weight."""
+        if key not in self.forms:
+            self.forms[key] = make(self)
+        return self.forms[key]
+
+    def integers(self) -> torch.Tensor:
+        """The quantized values ``q`` as int8 ``[N, K]``."""
+        if self.scheme == "int8":
+            return self.qweight
+        n = self.qweight.shape[0]
+        packed = self.qweight.view(n, -1, INT4_CHUNK // 2)
+        q = torch.stack((packed & 15, packed >> 4), dim=2)  # [N, K/32, 2, 16]
+        return (q.view(n, self.in_features).to(torch.int8) - 8).to(torch.int8)
+
+    def scales(self) -> torch.Tensor:
+        """One fp32 scale per weight element ``[N, K]`` (a view where it can be)."""
+        s = self.scale.float()
+        if self.scheme == "int8":
+            return s[:, None].expand(-1, self.in_features)
+        return s.repeat_interleave(self.group_size, dim=1)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``q * scale`` (exact in fp32), rounded to ``dtype``: the reference's weight."""
+        if dtype == torch.float64:
+            return self.integers().double() * self.scales().double()
+        return (self.integers().float() * self.scales()).to(dtype)
+
+
+def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantizedWeight:
+    """``w [N, K]`` (bf16) in ``scheme``, on ``w``'s device, computed in fp32."""
+    check_scheme(scheme, group_size)
+    n, k = w.shape
+    if scheme == "int8":
+        amax = w.float().abs().amax(dim=1)
+        scale = (amax / 127).bfloat16()
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.round(w.float() / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", q, scale, k, k)
+    assert group_size is not None
+    if k % group_size or k % INT4_CHUNK:
+        raise ValueError(
+            f"int4 with group size {group_size} needs the input width {k} to be a multiple of "
+            f"{max(group_size, INT4_CHUNK)}"
+        )
+    g = w.float().view(n, k // group_size, group_size)
+    at = g.abs().argmax(dim=2, keepdim=True)
+    scale = (g.gather(2, at)[..., 0] / -8).bfloat16()
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int16) + 8
+    q = q.view(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2).to(torch.uint8)
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return QuantizedWeight("int4", packed, scale, group_size, k)
+
+
+def from_integers(
+    q: torch.Tensor, scale: torch.Tensor, scheme: str, group_size: int | None = None
+) -> QuantizedWeight:
+    """A weight with the given values ``q`` (int ``[N, K]``) and scales, packed in the
+    canonical layout (tests and the conformance kit build exact cases with it)."""
+    n, k = q.shape
+    if scheme == "int8":
+        return QuantizedWeight("int8", q.to(torch.int8).contiguous(), scale.bfloat16(), k, k)
+    check_scheme(scheme, group_size)
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
+    packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return QuantizedWeight("int4", packed, scale.bfloat16().contiguous(), group_size, k)
+
+
+def scheme_of(w: Any) -> str:
+    """ "bf16" for a plain tensor, else the quantized weight's scheme."""
+    return w.scheme if isinstance(w, QuantizedWeight) else "bf16"
+
+
+def describe(scheme: str | None, group_size: int | None) -> str:
+    """How the plan and the banner name a scheme: "bf16", "int8", "int4 (group 32)"."""
+    if scheme is None or scheme == "bf16":
+        return "bf16"
+    return f"int4 (group {group_size})" if scheme == "int4" else scheme
+
+
+def dequantized_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The reference: ``F.linear`` on the dequantized weight, in ``x``'s dtype."""
+    return F.linear(x, w.dequantize(x.dtype))
+
+
+REFERENCE_KERNELS = tuple(
+    Kernel(
+        "linear",
+        f"{scheme}-dequant",
+        dequantized_linear,
+        hf_exact=True,
+        column_invariant=True,
+        scheme=scheme,
+        description="F.linear on the dequantized bf16 weight (HF's arithmetic on it)",
+    )
+    for scheme in SCHEMES
+)
+
+
+# -- checking a quantized kernel's claim of row invariance -----------------------------------
+
+
+def adversarial_qweight(n: int, k: int, scheme: str, group_size: int | None, gen):
+    """A quantized weight for :func:`adversarial_qrows`: small values (1..3 in magnitude,
+    scale 1), except at ``hal.kernels``' big column pairs, where each row holds its scheme's
+    largest value twice (127 or -8). With the rows' matching big inputs, the products there
+    are +-2^24 and cancel exactly: any two summation orders give different bits."""
+    mag = torch.randint(1, 4, (n, k), generator=gen)
+    sign = torch.randint(0, 2, (n, k), generator=gen) * 2 - 1
+    q = mag * sign
+    big = 127 if scheme == "int8" else -8
+    for a, b in _big_columns(k):
+        q[:, a] = q[:, b] = big
+    groups = 1 if scheme == "int8" else k // group_size
+    scale = torch.ones(n, groups) if scheme == "int4" else torch.ones(n)
+    return from_integers(q, scale, scheme, group_size)
+
+
+def adversarial_qrows(rows: int, k: int, scheme: str, gen) -> torch.Tensor:
+    """``hal.kernels.adversarial_rows`` with the big inputs scaled so that their products
+    with :func:`adversarial_qweight`'s big values are +-2^24 (exact in bf16 and fp32)."""
+    x = adversarial_rows(rows, k, gen)  # big inputs +-2^12
+    cols = torch.tensor(_big_columns(k), dtype=torch.int64).flatten()
+    x[:, cols] *= 2.0**5 if scheme == "int8" else 2.0**9  # x 127: about 2^24; x -8: 2^24
+    return x
