@@ -224,8 +224,9 @@ class Driver:
         """The driver's step graphs (``hal.graphs``), or None where it has none (cpu)."""
         return None
 
-    def kernels_for(self, op: str, scheme: str | None = None) -> tuple[Kernel, ...]:
-        """Every kernel offered for ``op`` (and weight ``scheme``, where given), torch's first."""
+    def kernels_for(self, op: str, scheme: str | None = "bf16") -> tuple[Kernel, ...]:
+        """Every kernel offered for ``op`` taking weights in ``scheme`` (None: any), torch's
+        first."""
         return tuple(
             k for k in self.kernels if k.op == op and (scheme is None or k.scheme == scheme)
         )
@@ -236,14 +237,14 @@ class Driver:
         kernels. A driver runs a scheme by offering a kernel for it (at least
         ``hal.quant.REFERENCE_KERNELS``' one)."""
         return tuple(
-            dict.fromkeys(k.scheme for k in self.kernels_for("linear") if k.scheme != "bf16")
+            dict.fromkeys(k.scheme for k in self.kernels_for("linear", None) if k.scheme != "bf16")
         )
 
     def kernel(self, op: str, name: str) -> Kernel:
-        for k in self.kernels_for(op):
+        for k in self.kernels_for(op, None):
             if k.name == name:
                 return k
-        known = ", ".join(k.name for k in self.kernels_for(op))
+        known = ", ".join(k.name for k in self.kernels_for(op, None))
         raise ValueError(
             f"{op} kernel {name!r} is not offered by driver {self.name!r}; choose one of: {known}"
         )
