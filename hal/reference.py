@@ -26,6 +26,18 @@ def linear_f64(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return exact, bound
 
 
+def qlinear_f64(x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x @ dequant(w).T`` in float64 for a ``hal.quant.QuantizedWeight``, and the bound a
+    quantized kernel must stay within: ``linear_f64``'s, plus half a bf16 ulp of every
+    product, for kernels that round the dequantized weight to bf16 before multiplying (the
+    reference does: ``F.linear`` on ``w.dequantize()``)."""
+    x64, w64 = x.double().cpu(), w.dequantize(torch.float64).cpu()
+    exact = x64 @ w64.T
+    sums = x64.abs() @ w64.abs().T
+    bound = exact.abs() * 2.0**-8 + (x.shape[-1] * 2.0**-24 + 2.0**-9) * sums
+    return exact, bound
+
+
 def attention_f64(q, k, v, scaling: float, context_len: int) -> torch.Tensor:
     """q ``[1, H, S, d]``, k/v ``[1, Hkv, kv, d]`` -> ``[S, H * d]`` in float64, causal."""
     heads, s = q.shape[1], q.shape[2]

@@ -123,10 +123,21 @@ def batchwise(x, w):
             + F.linear(x[:, half:].float(), w[:, half:].float())).to(x.dtype)
 
 
+def wrong_group(x, w):
+    """int4: applies a row's first group's scale to its second group."""
+    import attrs
+    from hal.quant import dequantized_linear
+
+    scale = w.scale.clone()
+    scale[:, 1] = scale[:, 0]
+    return dequantized_linear(x, attrs.evolve(w, scale=scale, forms={}))
+
+
 KERNELS = [
     Kernel("linear", "tailless", tailless),
     Kernel("linear", "widthwise", widthwise, column_invariant=True),
     Kernel("linear", "batchwise", batchwise, row_invariant=True),
+    Kernel("linear", "wronggroup", wrong_group, scheme="int4"),
 ]
 
 
@@ -140,6 +151,8 @@ def rlt_hal_register_drivers():
 
 
 def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_the_kit(tmp_path):
+    """Planted bugs: a leaky mask, a dropped K tail, a zeroed stacked column, a row summed
+    differently in one call shape, and an int4 kernel reading a wrong group's scale."""
     (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
     dist = tmp_path / "leaky_driver-0.1.dist-info"
     dist.mkdir()
@@ -152,3 +165,4 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     assert "tailless: 3x203 @ 203x37 exceeds the bound" in proc.stdout
     assert "widthwise: 1 rows x K 64" in proc.stdout
     assert "linear batchwise claims row invariance, but rows in a 13-row call differ" in proc.stdout
+    assert "wronggroup (group 32): 1x256 @ 256x96 exceeds the bound" in proc.stdout

@@ -1,13 +1,17 @@
 """Conformance checks of a driver's kernels (selected with --rlt-driver): each op's kernels
-(linear, rms_norm, silu_mul) against float64 within bf16 rounding, and the claims a kernel
-makes (HF-exact bits, row invariance, column invariance on stacked weights) held exactly."""
+(linear, rms_norm, silu_mul) against float64 within bf16 rounding, every quantized linear
+kernel (``hal.quant``: each scheme the driver runs, each group size) against
+dequantize-then-matmul in float64, and the claims a kernel makes (HF-exact bits, row
+invariance, column invariance on stacked weights) held exactly."""
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from hal.kernels import adversarial_rows, adversarial_weight, check_rows
-from hal.reference import linear_f64, rand_bf16
+from hal.quant import adversarial_qrows, adversarial_qweight, from_integers
+from hal.reference import linear_f64, qlinear_f64, rand_bf16
 
 # -- kernels --------------------------------------------------------------------------------
 
@@ -17,6 +21,37 @@ def _kernels(driver, op):
     usable = [k for k in driver.kernels_for(op) if k.available() is None]
     assert usable, f"{op}: not even torch's form can run"
     return usable
+
+
+def _quantized(driver):
+    """``(scheme, group size, kernel)`` for every quantized linear kernel that can run here,
+    at every group size of its scheme."""
+    out = []
+    for scheme in driver.quantization_schemes:
+        usable = [k for k in driver.kernels_for("linear", scheme) if k.available() is None]
+        assert usable, f"driver runs {scheme} but none of its {scheme} kernels can run here"
+        out += [(scheme, g, k) for k in usable for g in ((None,) if scheme == "int8" else GROUPS)]
+    return out
+
+
+GROUPS = (32, 64, 128)
+
+
+def _qweight(n: int, k: int, scheme: str, group: int | None, gen, dev):
+    """Random values over the scheme's whole range, with scales that differ by up to 2^6
+    between groups (a kernel applying one group's scale to another shows)."""
+    lo, hi = (-127, 128) if scheme == "int8" else (-8, 8)
+    q = torch.randint(lo, hi, (n, k), generator=gen)
+    groups = 1 if scheme == "int8" else k // group
+    scale = torch.rand(n, groups, generator=gen) * 2.0 ** torch.randint(
+        -9, -3, (n, groups), generator=gen
+    )
+    w = from_integers(q, scale if scheme == "int4" else scale[:, 0], scheme, group)
+    return _on(w, dev)
+
+
+def _on(w, dev):
+    return attrs.evolve(w, qweight=w.qweight.to(dev), scale=w.scale.to(dev), forms={})
 
 
 def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
@@ -31,6 +66,26 @@ def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
             exact, bound = linear_f64(x, w)
             worst = ((got.double().cpu() - exact).abs() - bound).max().item()
             assert worst <= 0, f"{kernel.name}: {m}x{k} @ {k}x{n} exceeds the bound by {worst:.3g}"
+
+
+def test_every_quantized_linear_kernel_is_within_rounding_of_dequantize_then_matmul(driver):
+    """Each scheme the driver runs (``Driver.quantization_schemes``), each kernel, each group
+    size: against ``x @ dequant(w).T`` in float64 (``hal.reference.qlinear_f64``). A driver
+    that runs no scheme has nothing to check here (and is refused ``--quantization``)."""
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(21)
+    for scheme, group, kernel in _quantized(driver):
+        shapes = ((1, 96, 256), (3, 37, 256), (40, 64, 384))
+        if scheme == "int8":
+            shapes += ((3, 37, 203),)  # a K tail
+        for m, n, k in shapes:
+            x, w = rand_bf16(m, k, gen=gen).to(dev), _qweight(n, k, scheme, group, gen, dev)
+            got = kernel.fn(x, w)
+            assert got.shape == (m, n) and got.dtype == torch.bfloat16, kernel.name
+            exact, bound = qlinear_f64(x, w)
+            worst = ((got.double().cpu() - exact).abs() - bound).max().item()
+            where = f"{kernel.name} (group {group}): {m}x{k} @ {k}x{n}"
+            assert worst <= 0, f"{where} exceeds the bound by {worst:.3g}"
 
 
 def test_every_rms_norm_kernel_is_close_to_float64(driver):
@@ -98,6 +153,12 @@ def test_kernels_that_claim_row_invariance_keep_a_rows_bits_in_every_call(driver
             if kernel.row_invariant:
                 why = check_rows(bind(kernel.fn), x, counts)
                 assert why is None, f"{op} {kernel.name} claims row invariance, but {why}"
+    for scheme, group, kernel in _quantized(driver):
+        if kernel.row_invariant:
+            qw = _on(adversarial_qweight(37, 256, scheme, group, gen), dev)
+            qx = adversarial_qrows(64, 256, scheme, gen).to(dev)
+            why = check_rows(lambda rows, fn=kernel.fn, w=qw: fn(rows, w), qx, counts)
+            assert why is None, f"linear {kernel.name} claims row invariance, but {why}"
 
 
 def test_kernels_that_claim_column_invariance_give_the_same_bits_on_stacked_weights(driver):
@@ -113,3 +174,12 @@ def test_kernels_that_claim_column_invariance_give_the_same_bits_on_stacked_weig
             stacked = kernel.fn(x, torch.cat(parts))
             separate = torch.cat([kernel.fn(x, w) for w in parts], dim=-1)
             assert torch.equal(stacked, separate), f"{kernel.name}: {m} rows x K {k}"
+    for scheme, group, kernel in _quantized(driver):
+        if not kernel.column_invariant:
+            continue
+        for m in (1, 5, 40):
+            x = rand_bf16(m, 256, gen=gen).to(dev)
+            w = _qweight(96 + 37 + 37, 256, scheme, group, gen, dev)
+            parts = [w.rows(0, 96), w.rows(96, 133), w.rows(133, 170)]  # stacked q|k|v
+            separate = torch.cat([kernel.fn(x, p) for p in parts], dim=-1)
+            assert torch.equal(kernel.fn(x, w), separate), f"{kernel.name}: {m} rows"

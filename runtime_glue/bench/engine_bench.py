@@ -163,8 +163,9 @@ def latency(llm: LLM, input_lens: list[int], output_len: int, runs: int, warmup:
 def baseline(llm: LLM, input_len: int, output_len: int, runs: int, concurrency: int) -> dict:
     """rlt-hal vs the HF-module reference on the same weights: c=1 and ``concurrency`` prompts."""
     from runtime_glue.checks.reference import OuroReference
+    from runtime_glue.ouro.quantize import dequantized
 
-    ref = OuroReference(llm.config).load(llm.model_dir)
+    ref = OuroReference(llm.config).load(llm.model_dir, dequantized(llm.weights))
     vocab = llm.config.vocab_size
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     prompts = [_prompt(input_len, vocab, seed=i) for i in range(concurrency)]

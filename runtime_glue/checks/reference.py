@@ -160,10 +160,16 @@ class OuroReference(torch.nn.Module):
         # Built after the bf16 cast: a rotary module cast to bf16 rounds inv_freq.
         self.rotary = LlamaRotaryEmbedding(hf)
 
-    def load(self, model_dir: str | Path) -> OuroReference:
+    def load(
+        self, model_dir: str | Path, replaced: dict[str, torch.Tensor] | None = None
+    ) -> OuroReference:
+        """The checkpoint's weights, with checkpoint tensors in ``replaced`` taken from it
+        instead: a quantized model's oracle is the reference on its dequantized weights
+        (``runtime_glue.ouro.quantize.dequantized``)."""
         state = {}
         for path in sorted(Path(model_dir).glob("*.safetensors")):
             state.update(load_file(str(path)))
+        state.update({name: w.cpu() for name, w in (replaced or {}).items()})
         mine = {
             "embed_tokens.weight": state["model.embed_tokens.weight"],
             "norm.weight": state["model.norm.weight"],

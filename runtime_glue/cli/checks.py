@@ -106,7 +106,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from runtime_glue.checks.reference import OuroReference
 
         dev = a.driver.device.torch_device
-        b = ReferenceSide(OuroReference(a.config).load(a.model_dir).to(dev), dev)
+        from runtime_glue.ouro.quantize import dequantized
+
+        ref = OuroReference(a.config).load(a.model_dir, dequantized(a.weights))
+        b = ReferenceSide(ref.to(dev), dev)
     else:
         b = LLMSide(side(args.against))
     questions = load_questions(args.questions or sample_questions())[: args.limit]

@@ -142,6 +142,19 @@ class EngineArgs:
         "HF-exact mode; in deterministic mode the fastest that keeps the mode, measured here "
         "(rlt-hal plan shows the choice)",
     )
+    quantization: str | None = cli_field(
+        None,
+        "weight-only quantization made at load from the bf16 checkpoint: int8 (symmetric, one "
+        "scale per output channel) or int4 (symmetric, one scale per --quantization-group-size "
+        "inputs). The embedding, the exit gate and lm_head stay bf16 (see --quantize-lm-head)",
+        choices=("int8", "int4"),
+    )
+    quantization_group_size: int = cli_field(
+        32, "int4: inputs per scale (32, 64 or 128)", choices=(32, 64, 128)
+    )
+    quantize_lm_head: bool = cli_field(
+        False, "with --quantization, quantize lm_head too", action="store_true"
+    )
     block_size: int = cli_field(128, "tokens per KV block (a power of two >= 16)")
     num_blocks: int | None = cli_field(
         None, "KV pool size in blocks (default: as many as --kv-cache-memory holds)", type=int

@@ -25,6 +25,7 @@ from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
+from runtime_glue.ouro.quantize import quantize_weights
 from runtime_glue.ouro.resolve import record_note, resolve
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,10 @@ class LLM:
         # before the weights load
         weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
         cfg = self.config
+        if args.quantization is not None:
+            weights = quantize_weights(
+                weights, cfg, args.quantization, args.quantization_group_size, args.quantize_lm_head
+            )
         probe = KVLayout(cfg.num_planes, 1, args.block_size, cfg.num_key_value_heads, cfg.head_dim)
         blocks = pool_blocks(
             probe.bytes_per_token, args.block_size, args.num_blocks, args.kv_cache_memory
@@ -151,7 +156,7 @@ class LLM:
         options this one runs with and the attention backend it runs (``attention``: before
         the plan, the one asked for; after it, the plan's)."""
         backend = self.driver.backend(attention)
-        check_engine(self.args, self.driver, backend, self.config.total_ut_steps)
+        check_engine(self.args, self.driver, backend, self.config)
 
     def _resolve(self, registry: Registry | None = None) -> ExecutionPlan:
         """The execution plan ``self.args`` resolve to on this driver."""
@@ -193,7 +198,7 @@ class LLM:
         if wanted or (wanted is None and plan.mode == "fast"):  # --mode fast: on where they can
             backend = self.driver.backend(plan.attention)
             asked = attrs.evolve(self.args, step_graphs=True)
-            why = why_not(asked, self.driver, backend, self.config.total_ut_steps)
+            why = why_not(asked, self.driver, backend, self.config)
             if why is None:
                 graphs = self.driver.step_graphs()
             elif wanted:

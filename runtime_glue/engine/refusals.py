@@ -11,7 +11,8 @@ The declaration has three parts:
 
 - ``REFUSED``: pairs of options that do not combine, each with its arithmetic reason (declared
   with the options, ``runtime_glue.engine.args``);
-- ``CAPABILITIES``: what an option needs of the driver or the attention backend;
+- ``CAPABILITIES``: what an option needs of the driver or the attention backend (and a
+  quantization scheme, a driver that runs it);
 - ``BOUNDS``: the ranges of options that depend on the model or another option.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from hal.interfaces import AttentionBackend, Driver
 from runtime_glue.engine.args import REFUSED, SET
+from runtime_glue.ouro.quantize import check_quantization
 
 MAX_SPECULATIVE_TOKENS = 63  # a verify step's rows fit one generated-row tile (64)
 DEFAULT_SPECULATIVE_TOKENS = 4
@@ -62,8 +64,9 @@ CAPABILITIES: tuple[tuple[str, Any, Capability], ...] = (
 )
 
 
-def _bounds(args: Any, total_loops: int) -> str | None:
-    """The options whose range depends on the model or on another option."""
+def _speculation(args: Any, cfg: Any) -> str | None:
+    """Speculation's loops and tokens: their range depends on the model and on each other."""
+    total_loops = cfg.total_ut_steps
     loops, tokens = args.speculative_loops, args.num_speculative_tokens
     if tokens is not None and loops is None:
         return "num_speculative_tokens needs speculative_loops (--speculative-loops E)"
@@ -85,7 +88,23 @@ def _bounds(args: Any, total_loops: int) -> str | None:
     return None
 
 
-BOUNDS = (_bounds,)
+def _quantization(args: Any, cfg: Any) -> str | None:
+    return check_quantization(cfg, args.quantization, args.quantization_group_size)
+
+
+BOUNDS = (_speculation, _quantization)
+
+
+def _runs_scheme(args: Any, driver: Driver) -> str | None:
+    """A quantization scheme needs a driver with a linear kernel for it (``hal.quant``)."""
+    scheme = args.quantization
+    if scheme is None or scheme in driver.quantization_schemes:
+        return None
+    runs = ", ".join(driver.quantization_schemes) or "none"
+    return (
+        f"--quantization {scheme}: driver {driver.label!r} offers no {scheme} linear kernel "
+        f"(the quantization schemes it runs: {runs})"
+    )
 
 
 def _is(value: Any, wanted: Any) -> bool:
@@ -106,10 +125,11 @@ def refused_pair(args: Any) -> str | None:
 
 
 def why_not(
-    args: Any, driver: Driver | None, backend: AttentionBackend | None, total_loops: int | None
+    args: Any, driver: Driver | None, backend: AttentionBackend | None, cfg: Any | None
 ) -> str | None:
     """Why an engine with options ``args`` cannot be built (the first reason), or None.
-    Without a driver (or the model's loops) the rows that need one are not checked."""
+    Without a driver (or the model's config, an ``OuroConfig``) the rows that need one are
+    not checked."""
     pair = refused_pair(args)
     if pair is not None:
         return pair
@@ -119,9 +139,13 @@ def why_not(
                 missing = capability(driver, backend)
                 if missing is not None:
                     return f"{_flag(name, value)}: {missing}"
-    if total_loops is not None:
+    if driver is not None:
+        missing = _runs_scheme(args, driver)
+        if missing is not None:
+            return missing
+    if cfg is not None:
         for bound in BOUNDS:
-            out = bound(args, total_loops)
+            out = bound(args, cfg)
             if out is not None:
                 return out
     return None
@@ -131,9 +155,9 @@ def check_engine(
     args: Any,
     driver: Driver | None = None,
     backend: AttentionBackend | None = None,
-    total_loops: int | None = None,
+    cfg: Any | None = None,
 ) -> None:
     """Raise ValueError with the reason an engine with options ``args`` cannot be built."""
-    why = why_not(args, driver, backend, total_loops)
+    why = why_not(args, driver, backend, cfg)
     if why is not None:
         raise ValueError(why)

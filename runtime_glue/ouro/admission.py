@@ -30,6 +30,7 @@ from hal.kernels import Kernel, KernelUnavailable, rotate_half
 from hal.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.kernel_trials import op_schemes, plain_linear
 from runtime_glue.ouro.plan import LINEAR_OPS, OPS, Admission, ExecutionPlan, OpChoice
 
 FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rotary")  # the fast plan's kernel ops
@@ -253,8 +254,9 @@ def fast_plan(
             break
         if attention is not None:
             backend_name = driver.default_backend
-    lin = linear or "torch"
-    ops = tuple((op, OpChoice(lin if op in LINEAR_OPS else chosen.get(op, "torch"))) for op in OPS)
+    schemes = op_schemes(weights)
+    lin = {op: plain_linear(driver, linear, schemes[op]) for op in LINEAR_OPS}
+    ops = tuple((op, OpChoice(lin.get(op) or chosen.get(op, "torch"))) for op in OPS)
     taken = [a for a in admissions if a.admitted]
     notes = (
         f"fast mode: {len(taken)} of {len(admissions)} fused kernels admitted on "

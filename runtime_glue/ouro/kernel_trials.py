@@ -17,6 +17,7 @@ import torch
 
 from hal.interfaces import Driver
 from hal.kernels import Kernel, adversarial_rows, adversarial_weight, check_rows
+from hal.quant import QuantizedWeight, adversarial_qrows, adversarial_qweight, scheme_of
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.plan import (
     GENERATED_TILE,
@@ -43,7 +44,7 @@ class PlanOp:
 
     name: str
     width: int  # the length of an input row
-    weight: torch.Tensor | None  # the model's real weight (linear ops only)
+    weight: torch.Tensor | QuantizedWeight | None  # the model's real weight (linear ops only)
     eps: float
     device: torch.device
     _check_inputs: dict = attrs.field(factory=dict)
@@ -55,11 +56,22 @@ class PlanOp:
             x = torch.randn(rows, self.width, generator=gen) * 3
             x[:, :: max(1, self.width // 5)] *= 64.0  # large squares among small ones
             return self.bind(fn, None), x.bfloat16().to(self.device)
+        w = self.weight
         if "w" not in self._check_inputs:  # one weight per op: it is the costly part
-            n, k = self.weight.shape
-            self._check_inputs["w"] = adversarial_weight(n, k, gen).to(self.device)
+            n, k = w.shape
+            if isinstance(w, QuantizedWeight):
+                qw = adversarial_qweight(n, k, w.scheme, w.group_size, gen)
+                self._check_inputs["w"] = attrs.evolve(
+                    qw, qweight=qw.qweight.to(self.device), scale=qw.scale.to(self.device)
+                )
+            else:
+                self._check_inputs["w"] = adversarial_weight(n, k, gen).to(self.device)
         if rows not in self._check_inputs:
-            self._check_inputs[rows] = adversarial_rows(rows, self.width, gen).to(self.device)
+            if isinstance(w, QuantizedWeight):
+                x = adversarial_qrows(rows, self.width, w.scheme, gen)
+            else:
+                x = adversarial_rows(rows, self.width, gen)
+            self._check_inputs[rows] = x.to(self.device)
         return self.bind(fn, self._check_inputs["w"]), self._check_inputs[rows]
 
     def timing_call(self, fn: Callable, rows: int) -> Callable[[], object]:
@@ -68,7 +80,11 @@ class PlanOp:
         apply = self.bind(fn, self.weight)
         return lambda: apply(x)
 
-    def bind(self, fn: Callable, weight: torch.Tensor | None) -> Callable:
+    @property
+    def scheme(self) -> str:
+        return scheme_of(self.weight)
+
+    def bind(self, fn: Callable, weight) -> Callable:
         """``fn`` called the way the model calls this op, on rows ``x``."""
         if self.name == "rms_norm":
             norm_w = torch.full((self.width,), 1.25, dtype=torch.bfloat16, device=self.device)
@@ -78,9 +94,10 @@ class PlanOp:
         return lambda x: fn(x, weight)
 
 
-def model_ops(cfg: OuroConfig, weights: dict[str, torch.Tensor], device) -> dict[str, PlanOp]:
+def linear_weights(weights: dict) -> dict:
+    """Each linear plan op's weight (layer 0's: every layer's has its shape and scheme)."""
     p = "model.layers.0."
-    linear = {
+    return {
         "qkv_proj": weights[p + "self_attn.qkv_proj.weight"],
         "o_proj": weights[p + "self_attn.o_proj.weight"],
         "gate_up_proj": weights[p + "mlp.gate_up_proj.weight"],
@@ -88,6 +105,16 @@ def model_ops(cfg: OuroConfig, weights: dict[str, torch.Tensor], device) -> dict
         "lm_head": weights["lm_head.weight"],
         "exit_gate": weights["model.early_exit_gate.weight"],
     }
+
+
+def op_schemes(weights: dict) -> dict[str, str]:
+    """Each op's weight scheme ("bf16" for ops without weights)."""
+    schemes = {op: scheme_of(w) for op, w in linear_weights(weights).items()}
+    return {op: schemes.get(op, "bf16") for op in OPS}
+
+
+def model_ops(cfg: OuroConfig, weights: dict, device) -> dict[str, PlanOp]:
+    linear = linear_weights(weights)
     eps = cfg.rms_norm_eps
     ops = {op: PlanOp(op, w.shape[1], w, eps, device) for op, w in linear.items()}
     ops["rms_norm"] = PlanOp("rms_norm", cfg.hidden_size, None, eps, device)
@@ -150,11 +177,32 @@ def _best(trials: dict[str, _Trial]) -> str:
     return min(timed, key=lambda k: (worst[k], sum(timed[k].values())))
 
 
-def _candidates(driver: Driver, op: str, linear: str | None) -> tuple[list[Kernel], list[str]]:
+def named_for(driver: Driver, linear: str | None, scheme: str) -> str | None:
+    """The linear kernel ``--linear`` names for weights in ``scheme``: it, where it takes them
+    (else None: the plan chooses; a bf16 kernel named does not bind quantized projections)."""
+    if linear is None or driver.kernel("linear", linear).scheme != scheme:
+        return None
+    return linear
+
+
+def plain_linear(driver: Driver, linear: str | None, scheme: str) -> str:
+    """The linear kernel of a plan that measures nothing (HF-exact, fast) for weights in
+    ``scheme``: the one ``--linear`` names where it takes them, else the reference (torch's
+    F.linear; for quantized weights, F.linear on them dequantized: ``hal.quant``)."""
+    named = named_for(driver, linear, scheme)
+    if named is not None:
+        return named
+    return "torch" if scheme == "bf16" else f"{scheme}-dequant"
+
+
+def _candidates(
+    driver: Driver, op: str, linear: str | None, scheme: str
+) -> tuple[list[Kernel], list[str]]:
     usable: list[Kernel] = []
     notes: list[str] = []
-    for kernel in driver.kernels_for(hal_op(op)):
-        if hal_op(op) == "linear" and linear is not None and kernel.name != linear:
+    named = named_for(driver, linear, scheme) if hal_op(op) == "linear" else None
+    for kernel in driver.kernels_for(hal_op(op), scheme):
+        if named is not None and kernel.name != named:
             continue
         if kernel.fast_only:  # admitted by --mode fast's own check, never chosen here
             continue
@@ -174,7 +222,7 @@ def measure(driver: Driver, ops: dict[str, PlanOp], linear: str | None) -> Recor
     notes: list[str] = []
     for kind in KINDS:
         for op in OPS:
-            kernels, skipped = _candidates(driver, op, linear)
+            kernels, skipped = _candidates(driver, op, linear, ops[op].scheme)
             notes += [n for n in skipped if n not in notes]
             trials = _trials(ops[op], kind, kernels, driver.device.synchronize)
             passed = {k: t for k, t in trials.items() if t.tiles is not None}

@@ -101,6 +101,7 @@ class ExecutionPlan:
     adaptive_depth: bool = False  # exiting decode rows skip their remaining loops
     fused: tuple[tuple[str, str], ...] = ()  # --mode fast: kernel of add_rms_norm and rotary
     admissions: tuple[Admission, ...] = ()  # --mode fast: each fused kernel's verdict
+    quantization: str = "bf16"  # the projections' weights (hal.quant): "int4 (group 32)"
 
     @property
     def deterministic(self) -> bool:
@@ -127,7 +128,10 @@ class ExecutionPlan:
         adaptive = ", adaptive depth" if self.adaptive_depth else ""
         if self.fused:
             ops += ", " + ", ".join(f"{op} {k}" for op, k in self.fused)
-        return f"{self.mode} mode, {self.attention} attention; {ops}{fused}{exits}{adaptive}"
+        weights = f"{self.quantization} weights, " if self.quantization != "bf16" else ""
+        return (
+            f"{self.mode} mode, {weights}{self.attention} attention; {ops}{fused}{exits}{adaptive}"
+        )
 
     def to_json(self) -> dict:
         return {
@@ -141,6 +145,7 @@ class ExecutionPlan:
             "adaptive_depth": self.adaptive_depth,
             "fused": dict(self.fused),
             "admissions": [attrs.asdict(a) for a in self.admissions],
+            "quantization": self.quantization,
         }
 
 

@@ -84,7 +84,14 @@ class Recorded:
 class PlanRecord:
     """The record of one (machine, driver and its kernels, model shape, plan flags)."""
 
-    def __init__(self, driver: Driver, cfg: OuroConfig, attention: str, linear: str | None):
+    def __init__(
+        self,
+        driver: Driver,
+        cfg: OuroConfig,
+        attention: str,
+        linear: str | None,
+        weights: str = "bf16",
+    ):
         key = {
             "format": FORMAT,
             "machine": machine_fingerprint(),
@@ -94,6 +101,7 @@ class PlanRecord:
             "tiles": [PROMPT_TILE, GENERATED_TILE],
             "attention": attention,
             "linear": linear,
+            "weights": weights,  # resolve.weights_label: the scheme and group size
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
         self.path = cache_dir() / "plans" / f"{driver.name}-{digest.hexdigest()[:16]}.json"

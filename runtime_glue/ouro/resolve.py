@@ -21,9 +21,17 @@ from hal.interfaces import AttentionBackend, Driver
 from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode
-from runtime_glue.ouro.kernel_trials import DeterminismUnavailable, measure, model_ops, recheck
+from runtime_glue.ouro.kernel_trials import (
+    DeterminismUnavailable,
+    measure,
+    model_ops,
+    op_schemes,
+    plain_linear,
+    recheck,
+)
 from runtime_glue.ouro.plan import LINEAR_OPS, OPS, ExecutionPlan, OpChoice
 from runtime_glue.ouro.plan_record import PlanRecord, Recorded
+from runtime_glue.ouro.quantize import weights_label
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +99,14 @@ def resolve(
     """
     exits = _exit_defaults(cfg, exit_at_step, exit_threshold)
     deterministic = mode_to_deterministic(mode, deterministic)
+    schemes = op_schemes(weights)
+    if linear is not None:
+        scheme = driver.kernel("linear", linear).scheme
+        if scheme not in ("bf16", *schemes.values()):
+            raise ValueError(
+                f"--linear {linear} takes {scheme} weights, and this model's projections are "
+                f"{' and '.join(sorted(set(schemes.values())))}"
+            )
     if mode == "fast":
         from runtime_glue.ouro.admission import fast_plan
 
@@ -101,6 +117,7 @@ def resolve(
         plan,
         exit_defaults=exits,
         adaptive_depth=adaptive_depth,
+        quantization=weights_label(weights),
     )
 
 
@@ -141,21 +158,23 @@ def _resolve_kernels(
     if want is None:
         want = backend.supports_deterministic and backend.deterministic_by_default
     if not want:
-        return _exact_plan(driver, backend, linear)
+        return _exact_plan(driver, backend, linear, op_schemes(weights))
     try:
         return _deterministic_plan(driver, backend, cfg, weights, linear, remeasure)
     except DeterminismUnavailable as exc:
         if deterministic:
             raise
         logger.warning("deterministic mode is off by default here: %s", exc)
-        plan = _exact_plan(driver, backend, linear)
+        plan = _exact_plan(driver, backend, linear, op_schemes(weights))
         return attrs.evolve(plan, notes=(f"deterministic mode is off: {exc}",))
 
 
-def _exact_plan(driver: Driver, backend: AttentionBackend, linear: str | None) -> ExecutionPlan:
-    name = linear or "torch"
-    exact = driver.kernel("linear", name).hf_exact and backend.hf_exact
-    ops = tuple((op, OpChoice(name if op in LINEAR_OPS else "torch")) for op in OPS)
+def _exact_plan(
+    driver: Driver, backend: AttentionBackend, linear: str | None, schemes: dict[str, str]
+) -> ExecutionPlan:
+    names = {op: plain_linear(driver, linear, schemes[op]) for op in LINEAR_OPS}
+    exact = backend.hf_exact and all(driver.kernel("linear", n).hf_exact for n in names.values())
+    ops = tuple((op, OpChoice(names.get(op, "torch"))) for op in OPS)
     mode = "hf-exact" if exact else "fast"
     return ExecutionPlan(mode, backend.name, stacked=not exact, prompt=ops, generated=ops)
 
@@ -179,7 +198,7 @@ def _deterministic_plan(driver, backend, cfg, weights, linear, remeasure) -> Exe
     if why is not None:
         raise DeterminismUnavailable(why)
     ops = model_ops(cfg, weights, device)
-    record = PlanRecord(driver, cfg, backend.name, linear)
+    record = PlanRecord(driver, cfg, backend.name, linear, weights_label(weights))
     with record.locked():
         recorded = None if remeasure else record.load()
         if recorded is not None:

@@ -7,6 +7,7 @@ import torch
 
 from hal import CompletedFence, Device, Driver, Kernel
 from hal.eager import EagerBackend, TensorKVStore
+from hal.quant import REFERENCE_KERNELS
 
 
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -47,5 +48,6 @@ def create(index: int | None = None) -> AcmeDriver:
     if index not in (None, 0):
         raise ValueError(f"acme has one device, index 0; got acme:{index}")
     kernels = [Kernel("linear", "fp32", fp32_linear, description="F.linear in fp32")]
+    kernels += REFERENCE_KERNELS  # runs --quantization int8 and int4 (dequantize, F.linear)
     backends = {"acme_eager": AcmeEagerBackend()}
     return AcmeDriver("acme", AcmeDevice(), backends, "acme_eager", kernels)

@@ -1,0 +1,232 @@
+"""Weight-only int8 and int4 (``--quantization``, ``hal.quant``): the layout, the oracle, and
+the guarantees carried over.
+
+- HF-exact mode on quantized weights is the HF reference run on the dequantized weights,
+  bit for bit (``runtime_glue.ouro.quantize.dequantized``).
+- Deterministic mode keeps its guarantee with quantized kernels: chunked and batched equal
+  alone, bit for bit; exact speculation equals plain quantized decoding; step graphs and
+  shared decode KV change no bit. On cpu and the emulated npu (a test double of torch_npu,
+  never hardware).
+- A scheme a driver does not run, or a group size the model's widths do not take, is a
+  one-line error before the weights load.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+import pytest
+import torch
+
+from hal.quant import (
+    QuantizedWeight,
+    adversarial_qrows,
+    adversarial_qweight,
+    from_integers,
+    quantize,
+)
+from runtime_glue.checks.reference import OuroReference
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.quantize import dequantized, weight_bytes
+from tests.conftest import PARITY_CONFIGS
+from tests.helpers import prompt_of
+
+SCHEMES = {"int8": dict(quantization="int8"), "int4-g32": dict(quantization="int4")}
+GQA = "gqa-h64-d32-L2-T4"
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+def test_int4_packs_input_j_and_j_plus_16_of_each_32_in_one_byte():
+    q = torch.arange(64).remainder(16).sub(8).view(1, 64)  # inputs 0..63 -> -8..7 twice
+    w = from_integers(q, torch.ones(1, 2), "int4", 32)
+    packed = w.qweight[0]
+    assert packed.shape == (32,)
+    for j in (0, 5, 15, 16, 31):
+        base = 32 * (j // 16)
+        low, high = q[0, base + j % 16] + 8, q[0, base + j % 16 + 16] + 8
+        assert int(packed[j]) == int(low) | int(high) << 4, j
+    assert torch.equal(w.integers(), q.to(torch.int8))
+
+
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int4", 32), ("int4", 128)])
+def test_quantize_keeps_weights_within_half_a_step_and_uses_the_whole_range(scheme, group):
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(48, 256, generator=gen) * torch.rand(48, 1, generator=gen)).bfloat16()
+    qw = quantize(w, scheme, group)
+    err = (w.double() - qw.dequantize(torch.float64)).abs()
+    step = qw.scales().double().abs()
+    q = qw.integers()
+    # Q4_0's mapping clamps a weight of the other sign than the group's extreme at 7: within
+    # one step there, half a step everywhere else.
+    clamped = (q == 7) if scheme == "int4" else torch.zeros_like(q, dtype=torch.bool)
+    assert (err[~clamped] <= step[~clamped] / 2 + 1e-12).all()
+    assert (err[clamped] <= step[clamped] + 1e-12).all()
+    if scheme == "int8":
+        assert (q.abs().amax(1) == 127).all()  # each channel's largest weight maps to +-127
+    else:  # each group's largest-magnitude weight maps to -8, as llama.cpp's Q4_0
+        groups = q.view(48, -1, group)
+        assert (groups.min(dim=2).values == -8).all()
+    rows = qw.rows(8, 20)
+    assert torch.equal(rows.dequantize(), qw.dequantize()[8:20])
+
+
+def test_quantized_projections_take_their_bytes_and_the_kept_tensors_their_own_memory(tiny_ckpt):
+    plain = LLM(tiny_ckpt, block_size=16, num_blocks=8, mode="hf-exact")
+    int8 = LLM(tiny_ckpt, block_size=16, num_blocks=8, mode="hf-exact", quantization="int8")
+    qkv = int8.weights["model.layers.0.self_attn.qkv_proj.weight"]
+    q = int8.weights["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(qkv, QuantizedWeight) and q.qweight.data_ptr() == qkv.qweight.data_ptr()
+    assert not isinstance(int8.weights["lm_head.weight"], QuantizedWeight)
+    embed = int8.weights["model.embed_tokens.weight"]
+    assert embed.untyped_storage().nbytes() == embed.nbytes  # not a view of the bf16 buffer
+    quantized = dequantized(int8.weights)  # the checkpoint tensors quantized
+    projections = sum(plain.weights[name].nbytes for name in quantized)
+    saved = weight_bytes(plain.weights) - weight_bytes(int8.weights)
+    assert projections / 2 * 0.9 < saved <= projections / 2
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_hf_exact_quantized_is_the_reference_on_dequantized_weights(tiny_ckpt, scheme):
+    """On cpu: the reference kernels are torch's F.linear on every driver."""
+    llm = LLM(
+        tiny_ckpt,
+        block_size=16,
+        num_blocks=8,
+        mode="hf-exact",
+        **SCHEMES[scheme],
+    )
+    assert llm.plan.mode == "hf-exact" and llm.plan.quantization != "bf16"
+    ref = OuroReference(llm.config).load(tiny_ckpt, dequantized(llm.weights))
+    plain = OuroReference(llm.config).load(tiny_ckpt)
+    for prompt in (prompt_of(13, seed=2), prompt_of(5, seed=3)):
+        [out] = llm.generate([prompt], GREEDY, return_logits=True)
+        tokens, logits = ref.generate(prompt, GREEDY.max_tokens)
+        assert list(out.token_ids) == tokens
+        assert torch.equal(out.logits, logits)
+        _, bf16_logits = plain.generate(prompt, GREEDY.max_tokens)
+        assert not torch.equal(logits, bf16_logits)  # the oracle is not the bf16 model's
+
+
+_ENGINES: dict = {}  # (driver, scheme) -> a deterministic engine on the GQA config, built once
+
+
+def _engine(checkpoints, driver_name, scheme) -> LLM:
+    if (driver_name, scheme) not in _ENGINES:
+        ckpt = checkpoints(GQA, **PARITY_CONFIGS[GQA])
+        _ENGINES[(driver_name, scheme)] = _deterministic(ckpt, driver_name, scheme)
+    return _ENGINES[(driver_name, scheme)]
+
+
+def _deterministic(ckpt, driver_name, scheme, **kw):
+    return LLM(
+        ckpt,
+        device=driver_name,
+        block_size=16,
+        num_blocks=64,
+        mode="deterministic",
+        **SCHEMES[scheme],
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_deterministic_quantized_chunked_and_batched_equal_alone(checkpoints, driver_name, scheme):
+    llm = _engine(checkpoints, driver_name, scheme)
+    assert llm.plan.deterministic and llm.plan.quantization.startswith(scheme[:4])
+    prompts = [prompt_of(40, seed=1), prompt_of(9, seed=2), prompt_of(23, seed=4)]
+    together = llm.generate(prompts, GREEDY, return_logits=True)
+    config = llm.engine.config
+    llm.engine.config = attrs.evolve(config, prefill_chunk_size=7)
+    try:
+        for prompt, want in zip(prompts, together, strict=True):
+            [alone] = llm.generate([prompt], GREEDY, return_logits=True)
+            assert alone.token_ids == want.token_ids
+            assert torch.equal(alone.logits, want.logits)
+    finally:
+        llm.engine.config = config
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_exact_speculation_on_quantized_weights_equals_plain_quantized_decoding(
+    checkpoints, driver_name, scheme
+):
+    from tests.test_speculative import assert_same, jobs_of, run
+
+    llm = _engine(checkpoints, driver_name, scheme)
+    want = run(llm, jobs_of(llm))
+    spec = llm.with_speculation(2, tokens=3)
+    assert_same(run(spec, jobs_of(llm, num_speculative_tokens=3)), want)
+    assert spec.engine.stats["spec_verify_steps"] > 0
+
+
+def test_step_graphs_and_shared_decode_kv_change_no_bit_of_quantized_decoding(checkpoints):
+    ckpt = checkpoints(GQA, **PARITY_CONFIGS[GQA])
+    prompts = [prompt_of(21, seed=5), prompt_of(6, seed=6)]
+    for sharing in ("none", "last"):
+        outs = []
+        for graphs in (False, True):
+            llm = _deterministic(ckpt, "npu", "int4-g32", kv_sharing=sharing, step_graphs=graphs)
+            outs.append(llm.generate(prompts, GREEDY, return_logits=True))
+            assert graphs is (llm.engine.graphs is not None)
+        for a, b in zip(*outs, strict=True):
+            assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits), sharing
+
+
+def test_a_scheme_the_driver_does_not_run_is_refused_before_the_weights_load(
+    tiny_ckpt, monkeypatch
+):
+    """A driver offering no int4 kernel (the cpu driver's kernels without them)."""
+    import runtime_glue.engine.llm as llm_module
+    from drivers.cpu.driver import CpuDevice, CpuDriver, CpuEagerBackend, create
+    from hal import DriverSpec, ProbeResult, Registry, hookimpl
+
+    kernels = [k for k in create().kernels if k.scheme != "int4" and k.name != "torch"]
+
+    class Plugin:
+        @hookimpl
+        def rlt_hal_register_drivers(self):
+            def make(**_):
+                backends = {"cpu_eager": CpuEagerBackend()}
+                return CpuDriver("bare", CpuDevice(), backends, "cpu_eager", kernels)
+
+            return [DriverSpec("bare", lambda: ProbeResult(True), make)]
+
+    def loads(*a, **k):
+        raise AssertionError("the weights loaded before the refusal")
+
+    monkeypatch.setattr(llm_module, "load_weights", loads)
+    registry = Registry(plugins=[Plugin()], load_entrypoints=False)
+    with pytest.raises(ValueError) as err:
+        LLM(tiny_ckpt, device="bare", registry=registry, quantization="int4")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "driver 'bare' offers no int4 linear kernel" in msg and "runs: int8)" in msg
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (
+            dict(quantization="int4", quantization_group_size=128),
+            "hidden_size (64) is not a multiple of it",
+        ),
+        (dict(quantization="int4", quantization_group_size=48), "group size must be one of"),
+    ],
+)
+def test_a_group_size_the_model_does_not_take_is_refused_in_one_line(tiny_ckpt, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        LLM(tiny_ckpt, **options)
+    assert "\n" not in str(err.value)
+
+
+def test_the_adversarial_quantized_inputs_tell_two_summation_orders_apart():
+    gen = torch.Generator().manual_seed(1)
+    for scheme, group in (("int8", None), ("int4", 32)):
+        w = adversarial_qweight(8, 256, scheme, group, gen)
+        x = adversarial_qrows(4, 256, scheme, gen)
+        wf = w.dequantize(torch.float32)
+        forward = x.float() @ wf.T
+        backward = x.float().flip(1) @ wf.flip(1).T
+        assert not torch.equal(forward, backward), scheme
