@@ -230,3 +230,19 @@ def test_the_adversarial_quantized_inputs_tell_two_summation_orders_apart():
         forward = x.float() @ wf.T
         backward = x.float().flip(1) @ wf.flip(1).T
         assert not torch.equal(forward, backward), scheme
+
+
+def test_the_bench_counts_the_bytes_a_quantized_decode_step_reads(tiny_ckpt):
+    """Counted from config.json: int8 projections take a byte per weight and a bf16 scale per
+    output channel; the norms and lm_head stay bf16."""
+    from runtime_glue.bench import floors
+
+    llm = LLM(tiny_ckpt, block_size=16, num_blocks=8, mode="hf-exact", quantization="int8")
+    cfg = llm.config
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_rows, kv_rows = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    rows_k = [(q_rows, h), (kv_rows, h), (kv_rows, h), (h, q_rows), (i, h), (i, h), (h, i)]
+    layer = sum(n * k + 2 * n for n, k in rows_k) + 4 * 2 * h
+    want = cfg.total_ut_steps * cfg.num_hidden_layers * layer + 2 * cfg.vocab_size * h
+    assert floors.weight_bytes_per_token(cfg, llm.weights) == want
+    assert floors.weight_bytes_per_token(cfg) > want  # the bf16 checkpoint's

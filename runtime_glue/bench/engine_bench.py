@@ -97,11 +97,18 @@ def python_overhead(llm: LLM, prompt: list[int]) -> dict:
 
 
 def measure_floors(llm: LLM, rows: list[int]) -> dict:
-    """Read bandwidth, and the GEMM rate of the kernel the plan runs prompt rows through."""
+    """Read bandwidth (the best of a copy, a sum and the plan's decode projection kernel on a
+    large weight of the model's scheme), and the GEMM rate of the kernel the plan runs prompt
+    rows through."""
+    from hal.quant import scheme_of
+
     dev, sync = llm.driver.device.torch_device, llm.driver.device.synchronize
     linear = llm.model.kernels.rows["prompt"]["gate_up_proj"]
+    decode = llm.model.kernels.rows["generated"]["gate_up_proj"]
+    scheme = scheme_of(llm.weights["model.layers.0.mlp.gate_up_proj.weight"])
     return {
-        "bandwidth": floors.read_bandwidth(dev, sync),
+        "bandwidth": floors.read_bandwidth(dev, sync, decode_linear=decode, scheme=scheme),
+        "decode_kernel": llm.plan.choice("generated", "gate_up_proj").kernel,
         "gemm_kernel": llm.plan.choice("prompt", "gate_up_proj").kernel,
         "gemm_flops": {r: floors.gemm_rate(dev, sync, r, linear=linear) for r in sorted(set(rows))},
     }
@@ -118,7 +125,8 @@ def latency(llm: LLM, input_lens: list[int], output_len: int, runs: int, warmup:
         samples = [_one_run(llm, prompt, output_len) for _ in range(runs)]
         ttft = summary([s["ttft"] for s in samples])
         tpot = summary([s["tpot"] for s in samples])
-        decode_floor = floors.decode_bytes(cfg, n + output_len // 2) / hw["bandwidth"]["read_Bps"]
+        context = n + output_len // 2
+        decode_floor = floors.decode_bytes(cfg, context, llm.weights) / hw["bandwidth"]["read_Bps"]
         prefill_floor = floors.prefill_flops(cfg, n) / hw["gemm_flops"][n]
         results.append(
             {
@@ -142,6 +150,10 @@ def latency(llm: LLM, input_lens: list[int], output_len: int, runs: int, warmup:
         "attention_backend": llm.model.backend.name,
         "mode": llm.plan.mode,
         "plan": llm.plan.describe(),
+        "weights": {
+            "scheme": llm.plan.quantization,
+            "bytes_per_token": floors.weight_bytes_per_token(cfg, llm.weights),
+        },
         "config": {
             "hidden_size": cfg.hidden_size,
             "layers": cfg.num_hidden_layers,
@@ -226,6 +238,13 @@ def markdown_latency(report: dict) -> str:
             f"{r['tpot_over_decode_floor']:.2f} | {r['prefill_floor_s']:.3f} | "
             f"{r['ttft_over_prefill_floor']:.2f} |"
         )
+    weights, bw = report["weights"], report["floors"]["bandwidth"]
+    lines.append(
+        f"\nweights: {weights['scheme']}, {weights['bytes_per_token'] / 2**30:.3f} GiB read per "
+        f"token; floor bandwidth {bw['read_Bps'] / 1e9:.1f} GB/s (copy "
+        f"{bw['copy_Bps'] / 1e9:.1f}, sum {bw['sum_read_Bps'] / 1e9:.1f}, decode kernel "
+        f"{bw.get('kernel_read_Bps', 0) / 1e9:.1f})"
+    )
     return "\n".join(lines)
 
 

@@ -24,16 +24,45 @@ def _median_time(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
-def read_bandwidth(device: torch.device, sync, mib: int = 512, repeats: int = 5) -> dict:
-    """Bytes/s of a large copy (read + write traffic) and of a large fp32 sum (reads only);
-    the floor uses the better of the two, the most this device was seen to move."""
+def read_bandwidth(
+    device: torch.device, sync, mib: int = 512, repeats: int = 5, decode_linear=None, scheme="bf16"
+) -> dict:
+    """Bytes/s of a large copy (read + write traffic), of a large fp32 sum (reads only) and,
+    given the plan's decode projection kernel ``decode_linear(x, w)``, of that kernel on one
+    row against a ``mib`` weight in its ``scheme``: it reads the way the fastest kernel reads
+    (every thread, its own loads). The floor uses the best of them, the most this device was
+    seen to move, so that a TPOT below "1x floor" cannot happen."""
     n = mib * 2**20
     src = torch.ones(n // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     copy = 2 * n / _median_time(lambda: dst.copy_(src), repeats, sync)
     f32 = torch.ones(n // 4, device=device)
     read = n / _median_time(lambda: f32.sum(), repeats, sync)
-    return {"copy_Bps": copy, "sum_read_Bps": read, "read_Bps": max(copy, read)}
+    out = {"copy_Bps": copy, "sum_read_Bps": read}
+    if decode_linear is not None:
+        w = _big_weight(n, scheme, device)
+        x = torch.randn(1, w.shape[1], device=device).bfloat16()
+        out["kernel_read_Bps"] = w.nbytes / _median_time(lambda: decode_linear(x, w), repeats, sync)
+    out["read_Bps"] = max(out.values())
+    return out
+
+
+def _big_weight(nbytes: int, scheme: str, device: torch.device, k: int = 2048):
+    """A weight of about ``nbytes`` in ``scheme`` (random values: only its bytes matter)."""
+    from hal.quant import QuantizedWeight
+
+    if scheme == "bf16":
+        return torch.randn(nbytes // (2 * k), k, device=device).bfloat16()
+    per_row = k if scheme == "int8" else k // 2
+    n = nbytes // per_row
+    groups = 1 if scheme == "int8" else k // 32
+    q = torch.randint(0, 256, (n, per_row), dtype=torch.uint8, device=device)
+    if scheme == "int8":
+        q = q.view(torch.int8)
+    scale = (torch.rand(n, groups, device=device) * 0.01).bfloat16()
+    return QuantizedWeight(
+        scheme, q, scale[:, 0] if scheme == "int8" else scale, k if scheme == "int8" else 32, k
+    )
 
 
 def gemm_rate(
@@ -59,10 +88,23 @@ def layer_weight_bytes(cfg: OuroConfig) -> int:
     return 2 * cfg.num_hidden_layers * (attn + 3 * h * i + 4 * h)
 
 
-def decode_bytes(cfg: OuroConfig, context: int) -> int:
-    """One decode step: every loop re-reads the layers, then lm_head, then the KV it attends."""
+def weight_bytes_per_token(cfg: OuroConfig, weights: dict | None = None) -> int:
+    """The weight bytes one decode step reads: every loop re-reads the layers, then lm_head.
+    Counted from the loaded ``weights`` (quantized ones by their packed bytes and scales);
+    without them, the bf16 checkpoint's."""
+    if weights is None:
+        return cfg.total_ut_steps * layer_weight_bytes(cfg) + 2 * cfg.vocab_size * cfg.hidden_size
+    from runtime_glue.ouro.quantize import weight_bytes
+
+    layers = weight_bytes({n: w for n, w in weights.items() if n.startswith("model.layers.")})
+    return cfg.total_ut_steps * layers + weights["lm_head.weight"].nbytes
+
+
+def decode_bytes(cfg: OuroConfig, context: int, weights: dict | None = None) -> int:
+    """One decode step: the weights it reads (``weight_bytes_per_token``), then the KV it
+    attends."""
     kv = 2 * cfg.num_planes * context * cfg.num_key_value_heads * cfg.head_dim * 2
-    return cfg.total_ut_steps * layer_weight_bytes(cfg) + 2 * cfg.vocab_size * cfg.hidden_size + kv
+    return weight_bytes_per_token(cfg, weights) + kv
 
 
 def prefill_flops(cfg: OuroConfig, tokens: int) -> int:
