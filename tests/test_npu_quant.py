@@ -3,17 +3,27 @@ Ascend hardware: ``drivers.npu.quant_ops``); nothing here is a hardware result.
 
 The emulated ``npu_weight_quant_batchmatmul`` and ``npu_convert_weight_to_int4pack`` against
 float64 (``x @ dequantize(w).T``, and the additive offset convention ``(w + offset) * scale``),
-their meta shapes and documented argument rules. Each check is shown to catch a planted bug
-(a wrong group's scale, a dropped or subtracted offset, int4 packed by the caller).
+their meta shapes and documented argument rules; the driver's ``int8-npu`` and ``int4-npu``
+kernels against the same bound and the reference kernels; the same kernels inside a captured
+step graph. Each check is shown to catch a planted bug (a wrong group's scale, a dropped or
+subtracted offset, a weight layout or packing of the driver's own).
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import types
+
+import attrs
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from drivers.npu import quant_ops
+from drivers.npu import quant_ops, quantized
+from drivers.npu.driver import create, import_torch_npu
+from drivers.npu.graphs import GraphReplayError
+from hal.devops import DeviceOpCounter
 from hal.quant import QuantizedWeight, quantize
 
 BF16 = torch.bfloat16
@@ -234,3 +244,147 @@ def test_the_forms_that_are_not_emulated_say_so():
 def test_the_emulated_packing_refuses_what_the_documentation_rules_out(values, message):
     with pytest.raises(RuntimeError, match=message):
         pack(values)
+
+
+# -- the driver's kernels --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulated_npu():
+    driver = create(emulate=True)
+    driver.device.initialize()
+    return driver
+
+
+def driver_problem(driver, scheme: str, group: int | None) -> str | None:
+    """The driver's kernel on fresh weights at decode and prefill row counts, an N that is not
+    a multiple of 8, 3-D inputs: within the float64 bound, and close to the reference
+    kernel (``F.linear`` on the dequantized weight)."""
+    kernel = driver.kernel("linear", f"{scheme}-npu")
+    reference = driver.kernel("linear", f"{scheme}-dequant")
+    for m, n, k in ((1, 100, 256), (9, 64, 384), (40, 32, 128)):
+        w = _weight(n, k, scheme, group, seed=m + n)
+        x = _r(m, k, seed=m).view(1, m, k) if m > 1 else _r(m, k, seed=m)
+        got = kernel.fn(x, w)
+        if got.shape != (*x.shape[:-1], n):
+            return f"{m}x{k} @ {k}x{n}: shape {list(got.shape)}"
+        why = _problem(got, x, w.dequantize(torch.float64))
+        if why is not None:
+            return f"{m}x{k} @ {k}x{n}: {why}"
+        if _problem(reference.fn(x, w), x, w.dequantize(torch.float64)) is not None:
+            return "the reference kernel itself is off"  # (the bound is sound for it too)
+    return None
+
+
+@pytest.mark.parametrize(("scheme", "group"), SCHEMES, ids=IDS)
+def test_the_drivers_kernels_agree_with_float64_and_the_reference(emulated_npu, scheme, group):
+    assert driver_problem(emulated_npu, scheme, group) is None
+
+
+def _reshaped_scale(w, pack_fn):
+    """A planted driver bug: the scale [N, K/g] reshaped to [K/g, N] instead of transposed."""
+    form = _real_w4a16_form(w, pack_fn)
+    if form.group_size == 0:
+        return form
+    wrong = w.scale.reshape(form.scale.shape[0], -1)
+    wrong = torch.nn.functional.pad(wrong, (0, form.scale.shape[1] - wrong.shape[1]), value=1.0)
+    return attrs.evolve(form, scale=wrong.contiguous())
+
+
+def _packed_by_hand(w, pack_fn):
+    return _real_w4a16_form(w, _natural_pack)
+
+
+_real_w4a16_form = quantized.w4a16_form
+
+
+@pytest.mark.parametrize("planted", [_reshaped_scale, _packed_by_hand], ids=["reshaped", "by hand"])
+def test_a_planted_driver_layout_bug_is_caught(emulated_npu, planted, monkeypatch):
+    monkeypatch.setattr(quantized, "w4a16_form", planted)
+    assert driver_problem(emulated_npu, "int4", 32) is not None
+
+
+def test_a_planted_emulation_bug_is_caught_through_the_driver(emulated_npu, monkeypatch):
+    monkeypatch.setattr(quant_ops, "_per_element", _tiled_groups)
+    assert driver_problem(emulated_npu, "int4", 64) is not None
+
+
+def test_a_weight_of_one_group_passes_its_scale_per_channel(emulated_npu):
+    w = _weight(24, 64, "int4", 64)  # K == group: the op takes groups only below K
+    got = emulated_npu.kernel("linear", "int4-npu").fn(_r(2, 64, seed=12), w)
+    assert w.forms["npu-w4a16"].group_size == 0 and w.forms["npu-w4a16"].scale.shape == (24,)
+    assert _problem(got, _r(2, 64, seed=12), w.dequantize(torch.float64)) is None
+
+
+def test_each_call_is_one_device_op_and_the_layout_is_derived_once(emulated_npu):
+    kernel = emulated_npu.kernel("linear", "int4-npu")
+    w, x = _weight(64, 128, "int4", 32), _r(3, 128, seed=13)
+    with DeviceOpCounter() as first:
+        kernel.fn(x, w)
+    with DeviceOpCounter() as second:
+        kernel.fn(x, w)
+    assert first.by_name["rlt_npu_emulated.npu_convert_weight_to_int4pack"] == 1
+    assert dict(second.by_name) == {"rlt_npu_emulated.npu_weight_quant_batchmatmul": 1}
+    empty = emulated_npu.kernel("linear", "int8-npu").fn(_r(0, 128), _weight(8, 128, "int8", None))
+    assert empty.shape == (0, 8)  # no call: the op refuses empty tensors
+
+
+def test_the_kernels_claim_nothing_and_only_a_checked_fast_plan_may_take_them(emulated_npu):
+    for scheme in ("int8", "int4"):
+        kernel = emulated_npu.kernel("linear", f"{scheme}-npu")
+        assert kernel.scheme == scheme and kernel.fast_only and kernel.available() is None
+        assert not (kernel.hf_exact or kernel.row_invariant or kernel.column_invariant)
+    assert emulated_npu.quantization_schemes == ("int8", "int4")
+    assert all(k.scheme == "bf16" for k in emulated_npu.kernels_for("linear"))
+
+
+def test_the_op_table_of_an_installed_torch_npu_has_the_quantized_ops(monkeypatch):
+    """With a stand-in torch_npu module (a test double: no real torch_npu can load here)."""
+    stand_in = types.ModuleType("torch_npu")
+    for name in quantized.QUANT_OPS:
+        setattr(stand_in, name, object())
+    stand_in.npu_scatter_nd_update_ = object()
+    monkeypatch.setitem(sys.modules, "torch_npu", stand_in)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(
+        device_count=None, set_device=None, current_stream=None, Event=None, synchronize=None,
+    ), raising=False)  # fmt: skip
+    table = import_torch_npu()
+    for name in quantized.QUANT_OPS:
+        assert getattr(table, name) is getattr(stand_in, name)
+
+
+# -- step graphs -----------------------------------------------------------------------------
+
+
+def _quantized_step(driver):
+    """Two quantized linears on fresh weights (their layouts not yet derived)."""
+    int8, int4 = (driver.kernel("linear", f"{s}-npu") for s in ("int8", "int4"))
+    w8, w4 = _weight(64, 128, "int8", None), _weight(128, 64, "int4", 32)
+    x = _r(4, 128, seed=14)
+    return x, lambda: int4.fn(int8.fn(x, w8), w4)
+
+
+def test_a_captured_step_takes_the_quantized_linears_like_any_kernel(emulated_npu):
+    """Captured on first use: the layouts derived in the capture's run are warm-up work (on
+    the device, NpuStepGraphs' warm-up derives them), the graph holds one op per linear,
+    and replays follow new inputs."""
+    x, step = _quantized_step(emulated_npu)
+    graph, out = emulated_npu.step_graphs().capture(step)
+    captured = [op[0] for op in graph.graph._tape.ops]
+    assert captured == ["torch_npu.npu_weight_quant_batchmatmul"] * 2
+    for seed in (15, 16):
+        x.copy_(_r(4, 128, seed=seed))
+        graph.replay()
+        assert torch.equal(out, step())
+
+
+def test_a_layout_derived_inside_the_capture_as_part_of_the_step_breaks_the_replay(
+    emulated_npu, monkeypatch
+):
+    """Planted: the derivation not marked as warm-up work. The emulated graph records the
+    packing in the capture, the replay (weights already packed) issues other ops."""
+    monkeypatch.setattr(quantized, "warm_up_work", contextlib.nullcontext)
+    x, step = _quantized_step(emulated_npu)
+    graph, _ = emulated_npu.step_graphs().capture(step)
+    with pytest.raises(GraphReplayError, match="another op"):
+        graph.replay()
