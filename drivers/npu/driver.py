@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from drivers.npu import environment, fused
+from drivers.npu import environment, fused, quantized
 from drivers.npu.emulation import emulation_requested
 from drivers.npu.graphs import NpuStepGraphs
 from hal.eager import EagerBackend, TensorKVStore
@@ -81,6 +81,7 @@ def import_torch_npu() -> types.SimpleNamespace:
         to_host=lambda tensor: tensor.to("cpu"),
         npu_scatter_nd_update_=torch_npu.npu_scatter_nd_update_,
         **{name: getattr(torch_npu, name, None) for name in fused.FUSED_OPS},
+        **{name: getattr(torch_npu, name, None) for name in quantized.QUANT_OPS},
         # Step graphs (drivers.npu.graphs); looked up lazily, only --step-graphs needs them.
         NPUGraph=getattr(npu, "NPUGraph", None),
         graph=getattr(npu, "graph", None),
@@ -224,7 +225,7 @@ def create(
         device,
         {"ascend_eager": AscendEagerBackend()},
         "ascend_eager",
-        kernels=(*REFERENCE_KERNELS, *fused.kernels(device)),
+        kernels=(*REFERENCE_KERNELS, *quantized.kernels(device), *fused.kernels(device)),
         fused_backends={"ascend_fia": fused.AscendFiaBackend(device)},
     )
     driver.label = device.label

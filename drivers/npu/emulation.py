@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from drivers.npu import fused_ops
+from drivers.npu import fused_ops, quant_ops
 from hal.devops import emulated_op
 
 EMULATE_ENV_VAR = "RLT_HAL_NPU_EMULATE"
@@ -78,6 +78,9 @@ class EmulatedTorchNpu:
     npu_rotary_mul = staticmethod(fused_ops.npu_rotary_mul)
     npu_scatter_pa_kv_cache = staticmethod(fused_ops.npu_scatter_pa_kv_cache)
     npu_fused_infer_attention_score = staticmethod(fused_ops.npu_fused_infer_attention_score)
+    # The weight-only quantized matmul and its int4 packing (drivers.npu.quant_ops).
+    npu_weight_quant_batchmatmul = staticmethod(quant_ops.npu_weight_quant_batchmatmul)
+    npu_convert_weight_to_int4pack = staticmethod(quant_ops.npu_convert_weight_to_int4pack)
 
     def __init__(self, event_delay: int = 0, device_count: int = 1) -> None:
         self.event_delay = event_delay

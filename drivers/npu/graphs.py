@@ -341,6 +341,22 @@ def _host_arguments(graph: EmulatedNPUGraph, tape: _Tape, spec, args: list, kwar
     return args, kwargs
 
 
+@contextlib.contextmanager
+def warm_up_work() -> Iterator[None]:
+    """Work that a step does on its first run only (a quantized weight's device layout,
+    derived once): on the device, ``NpuStepGraphs`` runs the step once before capturing it,
+    so such work never enters a graph. The emulated graph captures without that warm-up (its
+    capture runs the step): the body is hidden from its tapes, as it would be absent from
+    the device's capture. Outside an emulated capture it does nothing."""
+    for tape in _captures:
+        tape.paused += 1
+    try:
+        yield
+    finally:
+        for tape in _captures:
+            tape.paused -= 1
+
+
 def _refuse_in_capture(what: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(*args, **kwargs):

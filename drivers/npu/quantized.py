@@ -1,0 +1,113 @@
+"""The npu driver's weight-only quantized linears: ``torch_npu.npu_weight_quant_batchmatmul``.
+
+``int8-npu`` (W8A16) and ``int4-npu`` (W4A16) take a ``hal.quant.QuantizedWeight`` and call
+the op with the weight in the layout vllm-ascend gives it, derived once per weight
+(``QuantizedWeight.form``):
+
+- int8: the int8 ``[N, K]`` transposed to a contiguous ``[K, N]``, the scale ``[N]`` per
+  channel (vllm-ascend's W8A16 linear method: ``weight.transpose(0, 1).contiguous()``,
+  ``torch.flatten(weight_scale)``).
+- int4: the values as int32 ``[K, N]`` packed by ``npu_convert_weight_to_int4pack`` to
+  ``[K, N / 8]``, the scale transposed to ``[K / group, N]`` and ``antiquant_group_size`` the
+  group (vllm-ascend's wNa16 linear kernel). N is padded to a multiple of 8 (the pack's rule)
+  with zero weights, and those columns dropped from the output. A weight of one group
+  (``K == group``) passes its scale per channel: the op takes groups only below K.
+
+``hal.quant``'s schemes are symmetric, so no ``antiquant_offset`` is passed (vllm-ascend's
+wNa16 kernel passes None; its msModelSlim W8A16 passes the checkpoint's per-channel offset,
+which the op adds to the integer before scaling: ``(w + offset) * scale``).
+
+Like the driver's fused kernels (``drivers.npu.fused``), these claim nothing: not HF-exact
+(the device sums in its own order), and neither row nor column invariance, which nothing
+here can show for the hardware. They are ``fast_only``. On the emulated torch_npu they run
+``drivers.npu.quant_ops``, a test double, not hardware.
+
+Inside a step graph each call is one op: the layout is derived on a weight's first call,
+which on the device is the step's warm-up before capture (``drivers.npu.graphs``).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from drivers.npu.fused import _Ops
+from drivers.npu.graphs import warm_up_work
+from hal.kernels import Kernel
+from hal.quant import QuantizedWeight
+
+VERSION = "npu-quant-1"
+QUANT_OPS = ("npu_weight_quant_batchmatmul", "npu_convert_weight_to_int4pack")
+PACK = 8  # int4 values per packed int32
+
+
+@attrs.frozen
+class NpuWeight:
+    """One weight as the op takes it (``QuantizedWeight.form``'s value)."""
+
+    weight: torch.Tensor  # int8 [K, N], or int32 [K, N' / 8] (N' = N padded to 8)
+    scale: torch.Tensor  # bf16 [N'] per channel, or [K / group, N']
+    group_size: int  # antiquant_group_size: 0 per channel
+    out_features: int  # N: the output's columns (N' - N padding columns dropped)
+
+
+def w8a16_form(w: QuantizedWeight) -> NpuWeight:
+    return NpuWeight(w.qweight.t().contiguous(), w.scale.contiguous(), 0, w.shape[0])
+
+
+def w4a16_form(w: QuantizedWeight, pack) -> NpuWeight:
+    n, k = w.shape
+    values = w.integers().t().to(torch.int32)  # [K, N]
+    scale = w.scale.t()  # [K / group, N]
+    pad = -n % PACK
+    if pad:
+        values, scale = F.pad(values, (0, pad)), F.pad(scale, (0, pad), value=1.0)
+    group = w.group_size
+    if k // group == 1:  # one group: per channel (the op's groups must be below K)
+        scale, group = scale[0], 0
+    return NpuWeight(pack(values.contiguous()), scale.contiguous(), group, n)
+
+
+def kernels(device) -> tuple[Kernel, ...]:
+    ops = _Ops(device)
+
+    def matmul(x: torch.Tensor, form: NpuWeight) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)  # the op takes 2-D x (M, K)
+        if rows.shape[0] == 0:  # the op refuses empty tensors
+            return x.new_empty(*lead, form.out_features)
+        out = ops("npu_weight_quant_batchmatmul")(
+            rows, form.weight, form.scale, antiquant_group_size=form.group_size
+        )
+        if out.shape[-1] != form.out_features:
+            out = out[:, : form.out_features]
+        return out.reshape(*lead, form.out_features)
+
+    def int8_form(w: QuantizedWeight) -> NpuWeight:
+        with warm_up_work():  # derived on the first call, before any capture on the device
+            return w8a16_form(w)
+
+    def int4_form(w: QuantizedWeight) -> NpuWeight:
+        with warm_up_work():
+            return w4a16_form(w, ops("npu_convert_weight_to_int4pack"))
+
+    def int8_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        return matmul(x, w.form("npu-w8a16", int8_form))
+
+    def int4_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        return matmul(x, w.form("npu-w4a16", int4_form))
+
+    def check_int4() -> None:
+        for name in QUANT_OPS:
+            ops(name)
+
+    return (
+        Kernel("linear", "int8-npu", int8_linear, fast_only=True, scheme="int8",
+               check=ops.check("npu_weight_quant_batchmatmul"), version=VERSION,
+               description="npu_weight_quant_batchmatmul, int8 [K, N], per-channel scale"),
+        Kernel("linear", "int4-npu", int4_linear, fast_only=True, scheme="int4",
+               check=check_int4, version=VERSION,
+               description="npu_weight_quant_batchmatmul, int4 packed by "
+                           "npu_convert_weight_to_int4pack, group-wise scale [K/g, N]"),
+    )  # fmt: skip
