@@ -19,8 +19,11 @@ which the op adds to the integer before scaling: ``(w + offset) * scale``).
 
 Like the driver's fused kernels (``drivers.npu.fused``), these claim nothing: not HF-exact
 (the device sums in its own order), and neither row nor column invariance, which nothing
-here can show for the hardware. They are ``fast_only``. On the emulated torch_npu they run
-``drivers.npu.quant_ops``, a test double, not hardware.
+here can show for the hardware. They are not ``fast_only``: a deterministic plan uses one only
+where its start-up check on the device finds a row's bits the same in every call shape
+(``hal.kernels.check_rows``, run at the model's shapes), and a fast plan where its timing is
+the best. On the emulated torch_npu they run ``drivers.npu.quant_ops``, a test double, not
+hardware.
 
 Inside a step graph each call is one op: the layout is derived on a weight's first call,
 which on the device is the step's warm-up before capture (``drivers.npu.graphs``).
@@ -103,10 +106,10 @@ def kernels(device) -> tuple[Kernel, ...]:
             ops(name)
 
     return (
-        Kernel("linear", "int8-npu", int8_linear, fast_only=True, scheme="int8",
+        Kernel("linear", "int8-npu", int8_linear, scheme="int8",
                check=ops.check("npu_weight_quant_batchmatmul"), version=VERSION,
                description="npu_weight_quant_batchmatmul, int8 [K, N], per-channel scale"),
-        Kernel("linear", "int4-npu", int4_linear, fast_only=True, scheme="int4",
+        Kernel("linear", "int4-npu", int4_linear, scheme="int4",
                check=check_int4, version=VERSION,
                description="npu_weight_quant_batchmatmul, int4 packed by "
                            "npu_convert_weight_to_int4pack, group-wise scale [K/g, N]"),
