@@ -228,3 +228,21 @@ def test_the_plan_is_resolved_once_and_names_every_op(tiny_ckpt):
     hf = LLM(tiny_ckpt, device="cpu", num_blocks=4, deterministic=False).plan
     assert hf.mode == "hf-exact" and not hf.stacked and not hf.split
     assert all(not c.tiles and c.kernel == "torch" for _, c in hf.prompt)
+
+
+def test_fast_mode_takes_the_fastest_projection_kernel_timed_at_start_up(
+    tiny_ckpt, monkeypatch, tmp_path
+):
+    """A driver whose extra kernel is F.linear slowed by a sleep: fast mode times both and
+    keeps torch's for every projection, prompt rows and generated alike."""
+    import time
+
+    def slow(x, w):
+        time.sleep(0.003)
+        return F.linear(x, w)
+
+    options = _with_linear(monkeypatch, tmp_path, slow)
+    del options["linear"]
+    llm = LLM(tiny_ckpt, mode="fast", **options)
+    assert {c.kernel for _, c in (*llm.plan.prompt, *llm.plan.generated)} == {"torch"}
+    assert any(m.kernel == "double" for m in llm.plan.measurements)

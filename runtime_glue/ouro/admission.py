@@ -30,8 +30,8 @@ from hal.kernels import Kernel, KernelUnavailable, rotate_half
 from hal.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.ouro.config import OuroConfig
-from runtime_glue.ouro.kernel_trials import op_schemes, plain_linear
-from runtime_glue.ouro.plan import LINEAR_OPS, OPS, Admission, ExecutionPlan, OpChoice
+from runtime_glue.ouro.kernel_trials import fastest, model_ops
+from runtime_glue.ouro.plan import OPS, Admission, ExecutionPlan
 
 FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rotary")  # the fast plan's kernel ops
 PLAN_ONLY = ("add_rms_norm", "rotary")  # ops only the fused loop calls: ExecutionPlan.fused
@@ -218,7 +218,10 @@ def nothing_to_admit(driver: Driver, registry) -> str:
     here and why (on a host without CANN: what to source), as ``--device npu`` says it."""
     missing = [f"{spec.name} ({p.reason})" for spec, p in registry.probe_all() if not p.available]
     where = f"; unavailable here: {'; '.join(missing)}" if missing else ""
-    return f"fast mode: {driver.label} offers no fused kernels, so torch's forms run{where}"
+    return (
+        f"fast mode: {driver.label} offers no fused kernels, so its fastest unfused ones "
+        f"run{where}"
+    )
 
 
 def fast_plan(
@@ -229,7 +232,9 @@ def fast_plan(
     linear: str | None,
     block_size: int,
 ) -> ExecutionPlan:
-    """The fast plan: stacked projections, and each fused kernel that passes its check."""
+    """The fast plan: stacked projections, each fused kernel that passes its check, and for
+    every other op the fastest kernel timed now (``kernel_trials.fastest``): never slower
+    than a deterministic plan's choice, which must also keep a row's bits."""
     device = driver.device.torch_device
     admissions: list[Admission] = []
     chosen: dict[str, str] = {}
@@ -254,20 +259,21 @@ def fast_plan(
             break
         if attention is not None:
             backend_name = driver.default_backend
-    schemes = op_schemes(weights)
-    lin = {op: plain_linear(driver, linear, schemes[op]) for op in LINEAR_OPS}
-    ops = tuple((op, OpChoice(lin.get(op) or chosen.get(op, "torch"))) for op in OPS)
+    fixed = {op: k for op, k in chosen.items() if op in OPS and k != "torch"}
+    picked, measured = fastest(driver, model_ops(cfg, weights, device), linear, fixed)
     taken = [a for a in admissions if a.admitted]
     notes = (
         f"fast mode: {len(taken)} of {len(admissions)} fused kernels admitted on "
-        f"{driver.label} at this model's shapes; q|k|v and gate|up stacked",
+        f"{driver.label} at this model's shapes; the other ops' kernels the fastest timed "
+        "now; q|k|v and gate|up stacked",
     )
     return ExecutionPlan(
         "fast",
         backend_name,
         stacked=True,
-        prompt=ops,
-        generated=ops,
+        prompt=tuple(picked["prompt"].items()),
+        generated=tuple(picked["generated"].items()),
+        measurements=measured,
         notes=notes,
         fused=tuple((op, chosen[op]) for op in PLAN_ONLY),
         admissions=tuple(admissions),

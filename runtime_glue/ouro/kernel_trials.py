@@ -239,6 +239,41 @@ def measure(driver: Driver, ops: dict[str, PlanOp], linear: str | None) -> Recor
     return Recorded(chosen, tuple(measured), tuple(notes), now())
 
 
+def fastest(
+    driver: Driver, ops: dict[str, PlanOp], linear: str | None, fixed: dict[str, str]
+) -> tuple[dict[str, dict[str, OpChoice]], tuple[Measurement, ...]]:
+    """Fast mode's kernel for each op and row kind: the fastest usable one at the op's real
+    shape, timed at the kind's row counts, with no row check (fast mode keeps no bits).
+    ``fixed``: ops whose kernel is decided already (a fused kernel admitted on the device)."""
+    chosen: dict[str, dict[str, OpChoice]] = {kind: {} for kind in KINDS}
+    measured: list[Measurement] = []
+    sync = driver.device.synchronize
+    for kind in KINDS:
+        for op in OPS:
+            if op in fixed:
+                chosen[kind][op] = OpChoice(fixed[op])
+                continue
+            kernels, _ = _candidates(driver, op, linear, ops[op].scheme)
+            timed = {
+                k.name: _Trial(
+                    (),
+                    seconds=tuple(
+                        (r, _median_seconds(ops[op].timing_call(row_function(op, k, ()), r), sync))
+                        for r in _timing_rows(kind, op)
+                    ),
+                )
+                for k in kernels
+                if len(kernels) > 1
+            }
+            chosen[kind][op] = OpChoice(_best(timed) if timed else kernels[0].name)
+            measured += [
+                Measurement(op, kind, name, r, sec)
+                for name, t in timed.items()
+                for r, sec in t.seconds
+            ]
+    return chosen, tuple(measured)
+
+
 SLOWER = 3.0  # a kernel this many times slower than the fastest at first is not tried further
 
 
