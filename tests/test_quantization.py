@@ -246,3 +246,16 @@ def test_the_bench_counts_the_bytes_a_quantized_decode_step_reads(tiny_ckpt):
     want = cfg.total_ut_steps * cfg.num_hidden_layers * layer + 2 * cfg.vocab_size * h
     assert floors.weight_bytes_per_token(cfg, llm.weights) == want
     assert floors.weight_bytes_per_token(cfg) > want  # the bf16 checkpoint's
+
+
+def test_the_banner_and_metrics_say_the_weights_scheme_and_bytes(tiny_ckpt, capsys):
+    from runtime_glue.engine.llm import announce_llm
+    from runtime_glue.server.engine_loop import EngineLoop
+
+    llm = LLM(tiny_ckpt, block_size=16, num_blocks=8, mode="hf-exact", quantization="int8")
+    loaded = weight_bytes(llm.weights)
+    rendered = EngineLoop(llm.engine).metrics.render()
+    text = rendered.decode() if isinstance(rendered, bytes) else rendered
+    assert f'rlt_hal_weight_bytes{{scheme="int8"}} {float(loaded)}' in text
+    announce_llm(llm)
+    assert f"weights {loaded / 2**20:.1f} MiB (int8)" in capsys.readouterr().err

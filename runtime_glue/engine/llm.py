@@ -384,9 +384,10 @@ def announce_llm(llm: LLM) -> None:
         else f"; step graphs {verdict.kernel} "
         + ("admitted" if verdict.admitted else f"refused ({verdict.why})")
     )
+    weights = f"; weights {llm.model.weight_bytes / 2**20:.1f} MiB ({llm.plan.quantization})"
     print(
         f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
-        f"{graphs_line}",
+        f"{graphs_line}{weights}",
         file=sys.stderr,
     )
     note = record_note(llm.plan)

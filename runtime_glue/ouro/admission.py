@@ -219,8 +219,7 @@ def nothing_to_admit(driver: Driver, registry) -> str:
     missing = [f"{spec.name} ({p.reason})" for spec, p in registry.probe_all() if not p.available]
     where = f"; unavailable here: {'; '.join(missing)}" if missing else ""
     return (
-        f"fast mode: {driver.label} offers no fused kernels, so its fastest unfused ones "
-        f"run{where}"
+        f"fast mode: {driver.label} offers no fused kernels, so its fastest unfused ones run{where}"
     )
 
 

@@ -42,6 +42,7 @@ from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import exit_pdf
 from runtime_glue.ouro.loop_kernels import LoopKernels, RowOps
 from runtime_glue.ouro.plan import ExecutionPlan
+from runtime_glue.ouro.quantize import weight_bytes
 from runtime_glue.ouro.records import Kept, Span, StepInputs, StepOutput
 
 # recorder(loop, layer, op, tensor): sees intermediate tensors (used by the parity locator).
@@ -98,6 +99,7 @@ class OuroModel:
     ) -> None:
         self.cfg = cfg
         self.plan = plan
+        self.weight_bytes = weight_bytes(weights)  # as loaded: quantized ones packed
         self.backend = driver.backend(plan.attention)
         self.kv = kv
         self.kernels = LoopKernels.from_plan(plan, driver)

@@ -34,7 +34,12 @@ class EngineFailed(ApiError):
 class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.metrics = Metrics(engine.pool_blocks, engine.model.cfg.total_ut_steps)
+        model = engine.model
+        self.metrics = Metrics(
+            engine.pool_blocks,
+            model.cfg.total_ut_steps,
+            weights=(model.plan.quantization, model.weight_bytes),
+        )
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()

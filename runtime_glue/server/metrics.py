@@ -27,7 +27,9 @@ SPEC_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 63.0)
 class Metrics:
     """One server's metrics, in a registry of their own (prometheus_client is thread-safe)."""
 
-    def __init__(self, total_blocks: int, loops: int = 4) -> None:
+    def __init__(
+        self, total_blocks: int, loops: int = 4, weights: tuple[str, int] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -92,6 +94,13 @@ class Metrics:
         for name, help in SPEC_COUNTERS.items():
             self.engine_counters[name] = Counter(f"rlt_hal_{name}", help, registry=reg)
         self._seen = dict.fromkeys(self.engine_counters, 0)
+        if weights is not None:  # (scheme, bytes): "int4 (group 32)", the loaded bytes
+            Gauge(
+                "rlt_hal_weight_bytes",
+                "Bytes the model's weights take as loaded, by weight scheme",
+                ["scheme"],
+                registry=reg,
+            ).labels(weights[0]).set(weights[1])
         total = Gauge("rlt_hal_kv_total_blocks", "KV cache blocks in the pool", registry=reg)
         total.set(total_blocks)
         self.free_blocks.set(total_blocks)
