@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # docs/cuda.md's checks on a CUDA GPU in one run: the hardware tests, the conformance kit, the
-# latency of eager decoding vs step graphs (ouro-1.4b-shape), bench graphs, self-speculation
+# latency of eager decoding vs step graphs (ouro-1.4b-shape), int8 and int4 weights, bench graphs, self-speculation
 # with and without graphs, and last the whole suite with cuda joining every cross-driver case
 # (given whatever time is left before the deadline). Every step runs, whatever an earlier one
 # returned; the log says each step's exit status and seconds.
@@ -44,6 +44,9 @@ step kit 90 $T --pyargs hal.testing --rlt-driver cuda
 L="--preset ouro-1.4b-shape --device cuda --input-lens 64 --output-len 64 --runs 3"
 step latency-eager 120 $B latency $L --no-step-graphs --json "$out/cuda-latency.json"
 step latency-graphs 120 $B latency $L --step-graphs --json "$out/cuda-latency-graphs.json"
+step latency-int8 120 $B latency $L --step-graphs --quantization int8 --json "$out/cuda-latency-int8.json"
+step latency-int4 120 $B latency $L --step-graphs --quantization int4 --quantization-group-size 128 \
+    --json "$out/cuda-latency-int4.json"
 step graphs 90 $B graphs --preset ouro-1.4b-shape --device cuda --batches 1,4 \
     --json "$out/cuda-graphs.json"
 S="--preset ${SPEC_PRESET:-small} --device cuda --speculative-loops 1 --num-speculative-tokens 3"

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from drivers.cuda import quantized
 from drivers.cuda.graphs import CudaStepGraphs
 from hal.eager import EagerBackend, TensorKVStore, causal_mask, paged_attention, repeat_kv
 from hal.interfaces import AttentionBackend, Device, Driver, EventFence, Fence
@@ -83,4 +84,5 @@ class CudaDriver(Driver):
 
 def create(index: int | None = None) -> CudaDriver:
     backends = {"cuda_eager": CudaEagerBackend(), "cuda_sdpa": CudaSdpaBackend()}
-    return CudaDriver("cuda", CudaDevice(index or 0), backends, "cuda_eager", REFERENCE_KERNELS)
+    kernels = (*REFERENCE_KERNELS, *quantized.KERNELS)
+    return CudaDriver("cuda", CudaDevice(index or 0), backends, "cuda_eager", kernels)
