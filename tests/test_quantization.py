@@ -259,3 +259,20 @@ def test_the_banner_and_metrics_say_the_weights_scheme_and_bytes(tiny_ckpt, caps
     assert f'rlt_hal_weight_bytes{{scheme="int8"}} {float(loaded)}' in text
     announce_llm(llm)
     assert f"weights {loaded / 2**20:.1f} MiB (int8)" in capsys.readouterr().err
+
+
+def test_a_memory_budget_gives_the_kv_pool_what_the_smaller_weights_leave(tiny_ckpt):
+    budget = 8 * 2**20
+    pools = {}
+    for scheme in (None, "int8", "int4"):
+        llm = LLM(tiny_ckpt, block_size=16, mode="hf-exact", memory_budget=budget,
+                  quantization=scheme)  # fmt: skip
+        lay = llm.kv_layout
+        kv = budget - weight_bytes(llm.weights)
+        assert lay.num_blocks == kv // (lay.bytes_per_token * 16)
+        pools[scheme] = lay.num_blocks
+    assert pools[None] < pools["int8"] < pools["int4"]
+    with pytest.raises(ValueError, match="--memory-budget cannot be combined with --num-blocks"):
+        LLM(tiny_ckpt, memory_budget=budget, num_blocks=4)
+    with pytest.raises(ValueError, match="does not hold the weights"):
+        LLM(tiny_ckpt, memory_budget=1000)

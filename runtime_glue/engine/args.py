@@ -162,6 +162,13 @@ class EngineArgs:
     kv_cache_memory: int | None = cli_field(
         None, "KV pool size in bytes (default 512 MiB)", type=int, metavar="BYTES"
     )
+    memory_budget: int | None = cli_field(
+        None,
+        "bytes for the weights as loaded and the KV pool together: the pool takes what the "
+        "weights leave (smaller with --quantization), instead of a fixed --kv-cache-memory",
+        type=int,
+        metavar="BYTES",
+    )
     max_num_seqs: int = cli_field(16, "requests running at once")
     max_num_batched_tokens: int = cli_field(8192, "tokens one step computes at most")
     prefill_chunk_size: int | None = cli_field(

@@ -25,7 +25,7 @@ from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
-from runtime_glue.ouro.quantize import quantize_weights
+from runtime_glue.ouro.quantize import quantize_weights, weight_bytes
 from runtime_glue.ouro.resolve import record_note, resolve
 
 logger = logging.getLogger(__name__)
@@ -133,9 +133,15 @@ class LLM:
                 weights, cfg, args.quantization, args.quantization_group_size, args.quantize_lm_head
             )
         probe = KVLayout(cfg.num_planes, 1, args.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        blocks = pool_blocks(
-            probe.bytes_per_token, args.block_size, args.num_blocks, args.kv_cache_memory
-        )
+        kv_memory = args.kv_cache_memory
+        if args.memory_budget is not None:
+            kv_memory = args.memory_budget - weight_bytes(weights)
+            if kv_memory <= 0:
+                raise ValueError(
+                    f"memory_budget {args.memory_budget} bytes does not hold the weights "
+                    f"({weight_bytes(weights)} bytes as loaded)"
+                )
+        blocks = pool_blocks(probe.bytes_per_token, args.block_size, args.num_blocks, kv_memory)
         self.kv_layout = attrs.evolve(probe, num_blocks=blocks)
         self.weights = weights
         self.engine_config = EngineConfig(

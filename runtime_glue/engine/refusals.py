@@ -92,7 +92,18 @@ def _quantization(args: Any, cfg: Any) -> str | None:
     return check_quantization(cfg, args.quantization, args.quantization_group_size)
 
 
-BOUNDS = (_speculation, _quantization)
+def _memory(args: Any, cfg: Any) -> str | None:
+    if args.memory_budget is not None:
+        for other in ("num_blocks", "kv_cache_memory"):
+            if getattr(args, other) is not None:
+                return (
+                    f"--memory-budget cannot be combined with {_flag(other, SET)}: both size "
+                    "the KV pool"
+                )
+    return None
+
+
+BOUNDS = (_speculation, _quantization, _memory)
 
 
 def _runs_scheme(args: Any, driver: Driver) -> str | None:
