@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Eight bf16 values widened to fp32 (exact: bf16 is the top half of an fp32). */
@@ -35,6 +36,14 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* x [M, K] bf16 widened to a new fp32 buffer (the caller frees it), or NULL. */
+static inline float *widen_rows(const uint16_t *x, int M, int K) {
+    float *xf = malloc((size_t)M * K * sizeof(float));
+    if (xf)
+        for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    return xf;
 }
 
 #endif

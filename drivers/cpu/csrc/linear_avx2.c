@@ -13,7 +13,6 @@
  */
 #include "bf16.h"
 #include "rlt_cpu.h"
-#include <stdlib.h>
 
 #define NB 4   /* weight rows per register block */
 #define MB 2   /* input rows per register block */
@@ -47,9 +46,8 @@ static inline __attribute__((always_inline)) void block(const float *x, int ldx,
 }
 
 int rlt_linear_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K) {
-    float *xf = malloc((size_t)M * K * sizeof(float));
+    float *xf = widen_rows(x, M, K);
     if (!xf) return -1;
-    for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
     int nblocks = (N + NB - 1) / NB;
     for (int m0 = 0; m0 < M; m0 += MC) {
         int mc = M - m0 < MC ? M - m0 : MC;

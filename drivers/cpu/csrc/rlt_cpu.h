@@ -5,7 +5,8 @@
  * Keep it to plain prototypes: cffi parses it without a preprocessor (lines starting with
  * '#' are dropped before cffi reads it).
  *
- * Tensors are bf16 passed as uint16_t, row-major and contiguous unless a stride is given.
+ * Tensors are bf16 passed as uint16_t (quantized weights: int8_t or packed uint8_t, in
+ * hal/quant.py's layout), row-major and contiguous unless a stride is given.
  * Functions that allocate scratch memory return 0, or -1 when it cannot be allocated.
  */
 #ifndef RLT_CPU_H
@@ -18,6 +19,14 @@ int rlt_linear_avx2(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, in
 /* The same with AVX-512 BF16 dot products (vdpbf16ps): only where rlt_has_avx512bf16(). */
 int rlt_linear_avx512bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K);
 int rlt_has_avx512bf16(void);
+
+/* Weight-only quantized projections (hal/quant.py's layout), x and y bf16, fp32 sums, AVX2 +
+ * FMA. int8: w int8 [N, K], scale bf16 [N]. int4: w uint8 [N, K / 2] (two inputs a byte),
+ * scale bf16 [N, K / group], K a multiple of 32 and of group. */
+int rlt_linear_int8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
+                         int M, int N, int K);
+int rlt_linear_int4_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
+                         int M, int N, int K, int group);
 
 /* Deterministic attention over one plane of the paged cache (see attention.c). */
 int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16_t *k,
