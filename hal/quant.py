@@ -149,6 +149,23 @@ def from_integers(
     return QuantizedWeight("int4", packed, scale.bfloat16().contiguous(), group_size, k)
 
 
+ACTIVATION_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as a W8A8 / W4A8 kernel sees it (float64, exact): each row quantized
+    per block of 32 inputs as llama.cpp's Q8_0: ``d = amax / 127`` and ``q =
+    round_half_even(x * (1 / d))`` in fp32, ``x~ = q * d``. A partial last block is its own
+    block."""
+    k = x.shape[-1]
+    pad = -k % ACTIVATION_BLOCK
+    xf = F.pad(x.float(), (0, pad)).view(*x.shape[:-1], -1, ACTIVATION_BLOCK)
+    d = xf.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.round(xf * inv)
+    return (q.double() * d.double()).flatten(-2)[..., :k]
+
+
 def scheme_of(w: Any) -> str:
     """ "bf16" for a plain tensor, else the quantized weight's scheme."""
     return w.scheme if isinstance(w, QuantizedWeight) else "bf16"

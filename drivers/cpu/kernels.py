@@ -13,6 +13,12 @@
   own ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (on its packing, derived
   once per weight) are offered beside them as "int8-torch" and "int4-torch" (neither claims
   row invariance), so the execution plan measures which to use.
+- ``linear_int8_a8_avx2`` and ``linear_int4_a8_avx2`` (``csrc/linear_a8_avx2.c``): the same
+  weights with the activations quantized per block of 32 as llama.cpp's Q8_0 does, summed
+  with int8 dot products (W8A8, W4A8: "int8-a8-avx2", "int4-a8-avx2", ``Kernel.activations``
+  "int8"). About half the instructions per weight of widening it to fp32, which is what
+  bounds decode on a CPU without bf16 or VNNI instructions; the arithmetic differs from the
+  weight-only kernels by the activations' rounding (``hal.quant.quantize_activations``).
 - ``paged_attention`` (``csrc/attention.c``): deterministic-mode attention read straight from
   the bf16 paged cache, one call per plane for every row of a step.
 - ``rms_norm`` (``csrc/rms_norm.c``) and ``silu_mul`` (``csrc/silu_mul.c``): HF's roundings,
@@ -184,47 +190,69 @@ def _quant_linear(name: str, x: Tensor, qweight: Tensor, scale: Tensor, n: int, 
     return out.view(*x.shape[:-1], n)
 
 
-@torch.library.custom_op("rlt_cpu::linear_int8_avx2", mutates_args=())
-def linear_int8_avx2(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
-    """``x @ (qweight * scale[:, None]).T``: x ``[..., K]`` bf16, qweight int8 ``[N, K]``,
-    scale bf16 ``[N]`` (hal.quant's int8 layout); fp32 sums, AVX2 + FMA."""
-    _quant_operands("linear_int8_avx2", x, qweight, torch.int8, scale)
-    n, k = qweight.shape
-    if scale.shape != (n,) or x.shape[-1] != k:
-        raise ValueError(
-            f"linear_int8_avx2: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and "
-            f"scale {list(scale.shape)} do not match (scale [N], x [..., K])"
-        )
-    return _quant_linear("linear_int8_avx2", x, qweight, scale, n, k)
+def _int8_op(name: str, doc: str):
+    """A custom op ``rlt_cpu::NAME(x, qweight, scale)`` on hal.quant's int8 layout."""
+
+    def op(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
+        _quant_operands(name, x, qweight, torch.int8, scale)
+        n, k = qweight.shape
+        if scale.shape != (n,) or x.shape[-1] != k:
+            raise ValueError(
+                f"{name}: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and "
+                f"scale {list(scale.shape)} do not match (scale [N], x [..., K])"
+            )
+        return _quant_linear(name, x, qweight, scale, n, k)
+
+    op.__doc__ = doc
+    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
+    custom.register_fake(lambda x, qweight, scale: x.new_empty(*x.shape[:-1], qweight.shape[0]))
+    return custom
 
 
-@torch.library.custom_op("rlt_cpu::linear_int4_avx2", mutates_args=())
-def linear_int4_avx2(x: Tensor, qweight: Tensor, scale: Tensor, group: int) -> Tensor:
-    """``x @ dequant(qweight).T``: x ``[..., K]`` bf16, qweight uint8 ``[N, K / 2]`` and scale
-    bf16 ``[N, K / group]`` in hal.quant's int4 layout; fp32 sums, AVX2 + FMA."""
-    _quant_operands("linear_int4_avx2", x, qweight, torch.uint8, scale)
-    n, k = qweight.shape[0], 2 * qweight.shape[1]
-    if group not in GROUP_SIZES or k % group:
-        raise ValueError(
-            f"linear_int4_avx2: group {group} must be one of {GROUP_SIZES} and divide K {k}"
-        )
-    if scale.shape != (n, k // group) or x.shape[-1] != k:
-        raise ValueError(
-            f"linear_int4_avx2: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and scale "
-            f"{list(scale.shape)} do not match group {group} (qweight [N, K / 2], scale "
-            "[N, K / group])"
-        )
-    return _quant_linear("linear_int4_avx2", x, qweight, scale, n, k, group)
+def _int4_op(name: str, doc: str):
+    """A custom op ``rlt_cpu::NAME(x, qweight, scale, group)`` on hal.quant's int4 layout."""
+
+    def op(x: Tensor, qweight: Tensor, scale: Tensor, group: int) -> Tensor:
+        _quant_operands(name, x, qweight, torch.uint8, scale)
+        n, k = qweight.shape[0], 2 * qweight.shape[1]
+        if group not in GROUP_SIZES or k % group:
+            raise ValueError(f"{name}: group {group} must be one of {GROUP_SIZES} and divide K {k}")
+        if scale.shape != (n, k // group) or x.shape[-1] != k:
+            raise ValueError(
+                f"{name}: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and scale "
+                f"{list(scale.shape)} do not match group {group} (qweight [N, K / 2], scale "
+                "[N, K / group])"
+            )
+        return _quant_linear(name, x, qweight, scale, n, k, group)
+
+    op.__doc__ = doc
+    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
+    custom.register_fake(
+        lambda x, qweight, scale, group: x.new_empty(*x.shape[:-1], qweight.shape[0])
+    )
+    return custom
 
 
-@linear_int8_avx2.register_fake
-def _int8_fake(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], qweight.shape[0])
-
-
-@linear_int4_avx2.register_fake
-def _int4_fake(x: Tensor, qweight: Tensor, scale: Tensor, group: int) -> Tensor:
-    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+linear_int8_avx2 = _int8_op(
+    "linear_int8_avx2",
+    "``x @ (qweight * scale[:, None]).T``: x ``[..., K]`` bf16, qweight int8 ``[N, K]``, scale "
+    "bf16 ``[N]`` (hal.quant's int8 layout); fp32 sums, AVX2 + FMA.",
+)
+linear_int4_avx2 = _int4_op(
+    "linear_int4_avx2",
+    "``x @ dequant(qweight).T``: x ``[..., K]`` bf16, qweight uint8 ``[N, K / 2]`` and scale "
+    "bf16 ``[N, K / group]`` in hal.quant's int4 layout; fp32 sums, AVX2 + FMA.",
+)
+linear_int8_a8_avx2 = _int8_op(
+    "linear_int8_a8_avx2",
+    "W8A8: ``linear_int8_avx2`` with x quantized per block of 32 "
+    "(``hal.quant.quantize_activations``), int8 dot products.",
+)
+linear_int4_a8_avx2 = _int4_op(
+    "linear_int4_a8_avx2",
+    "W4A8: ``linear_int4_avx2`` with x quantized per block of 32 "
+    "(``hal.quant.quantize_activations``), int8 dot products.",
+)
 
 
 def int8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
@@ -233,6 +261,14 @@ def int8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
 
 def int4_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
     return linear_int4_avx2(x, w.qweight, w.scale, w.group_size)
+
+
+def int8_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
+    return linear_int8_a8_avx2(x, w.qweight, w.scale)
+
+
+def int4_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
+    return linear_int4_a8_avx2(x, w.qweight, w.scale, w.group_size)
 
 
 # -- torch's own weight-only kernels, offered so that the plan's trials measure them --------
@@ -417,6 +453,30 @@ KERNELS = (
         check=_loaded,
         version=VERSION,
         description="csrc/linear_quant_avx2.c: int4 dequantized exactly in registers, fp32 FMA",
+    ),
+    Kernel(
+        "linear",
+        "int8-a8-avx2",
+        int8_a8_avx2,
+        row_invariant=True,
+        column_invariant=True,
+        scheme="int8",
+        activations="int8",
+        check=_loaded,
+        version=VERSION,
+        description="csrc/linear_a8_avx2.c: W8A8, x quantized per 32, int8 dot products",
+    ),
+    Kernel(
+        "linear",
+        "int4-a8-avx2",
+        int4_a8_avx2,
+        row_invariant=True,
+        column_invariant=True,
+        scheme="int4",
+        activations="int8",
+        check=_loaded,
+        version=VERSION,
+        description="csrc/linear_a8_avx2.c: W4A8, x quantized per 32, int8 dot products",
     ),
     Kernel(
         "linear",

@@ -28,6 +28,13 @@ int rlt_linear_int8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *sca
 int rlt_linear_int4_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
                          int M, int N, int K, int group);
 
+/* The same with x quantized per block of 32 (llama.cpp's Q8_0 activations) and int8 dot
+ * products: W8A8 and W4A8 (see linear_a8_avx2.c). */
+int rlt_linear_int8_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
+                            int M, int N, int K);
+int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
+                            int M, int N, int K, int group);
+
 /* Deterministic attention over one plane of the paged cache (see attention.c). */
 int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16_t *k,
                         const uint16_t *v, const int64_t *slots, const int64_t *off,
