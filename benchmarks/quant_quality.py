@@ -28,6 +28,10 @@ SCHEMES = {  # label -> LLM options
     "int4 g32": dict(quantization="int4", quantization_group_size=32),
     "int4 g64": dict(quantization="int4", quantization_group_size=64),
     "int4 g128": dict(quantization="int4", quantization_group_size=128),
+    "int8 + int8 activations": dict(quantization="int8", quantize_activations=True),
+    "int4 g32 + int8 activations": dict(
+        quantization="int4", quantization_group_size=32, quantize_activations=True
+    ),
 }
 
 
@@ -78,8 +82,17 @@ def main() -> None:
         stats = spec.engine.stats
         threshold = next(m for name, m in ppl["modes"].items() if name.startswith("threshold"))
         report["checkpoint"] = str(llm.model_dir)
+        projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        kernels = sorted(
+            {
+                llm.plan.choice(kind, op).kernel
+                for kind in ("prompt", "generated")
+                for op in projections
+            }
+        )
         report["schemes"][label] = {
             "plan": llm.plan.describe(),
+            "projection_kernels": kernels,
             "perplexity_per_loop": [
                 ppl["modes"][f"loop {t}"]["perplexity"] for t in range(llm.config.total_ut_steps)
             ],
@@ -102,7 +115,7 @@ def main() -> None:
 def markdown(report: dict) -> str:
     base = report["schemes"]["bf16"]["perplexity_per_loop"][-1]
     lines = [
-        "| weights | perplexity per loop (0..3) | last loop vs bf16 | threshold: perplexity, "
+        "| weights (kernels) | perplexity per loop (0..3) | last loop vs bf16 | threshold: perplexity, "
         "mean exit loop, loops 0..3 | greedy = bf16 (prefix / positionwise) | speculation "
         "acceptance (exact) |",
         "|---|---|--:|---|---|---|",
@@ -114,7 +127,7 @@ def markdown(report: dict) -> str:
         spec = r["speculation"]
         exact = "yes" if spec["equals_plain_decoding"] else "NO"
         lines.append(
-            f"| {label} | {loops} | {r['perplexity_per_loop'][-1] / base - 1:+.2%} | "
+            f"| {label} ({', '.join(r['projection_kernels'])}) | {loops} | {r['perplexity_per_loop'][-1] / base - 1:+.2%} | "
             f"{r['threshold']['perplexity']:.2f}, {r['threshold']['mean_exit_loop']:.2f}, "
             f"{hist} | {agree['prefix']:.1%} / {agree['positionwise']:.1%} | "
             f"{spec['acceptance']:.1%} ({exact}) |"

@@ -74,6 +74,10 @@ class QuantizedWeight:
         """Bytes a projection reads: the packed weight and its scales."""
         return self.qweight.nbytes + self.scale.nbytes
 
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors it is made of: the packed weight and its scales."""
+        return self.qweight, self.scale
+
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Output channels ``start:stop`` (views): a member of a stacked projection."""
         return attrs.evolve(
@@ -97,16 +101,21 @@ class QuantizedWeight:
 
     def scales(self) -> torch.Tensor:
         """One fp32 scale per weight element ``[N, K]`` (a view where it can be)."""
-        s = self.scale.float()
-        if self.scheme == "int8":
-            return s[:, None].expand(-1, self.in_features)
-        return s.repeat_interleave(self.group_size, dim=1)
+        n, k, g = self.qweight.shape[0], self.in_features, self.group_size
+        return self.scale.float().view(n, -1, 1).expand(n, k // g, g).reshape(n, k)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``q * scale`` (exact in fp32), rounded to ``dtype``: the reference's weight."""
-        if dtype == torch.float64:
-            return self.integers().double() * self.scales().double()
-        return (self.integers().float() * self.scales()).to(dtype)
+        n, k, g = self.qweight.shape[0], self.in_features, self.group_size
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        q = self.integers().to(wide).view(n, k // g, g)
+        return (q * self.scale.to(wide).view(n, -1, 1)).view(n, k).to(dtype)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight on ``device`` (derived forms are not carried)."""
+        return attrs.evolve(
+            self, qweight=self.qweight.to(device), scale=self.scale.to(device), forms={}
+        )
 
 
 def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantizedWeight:
@@ -129,22 +138,24 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> Qua
     at = g.abs().argmax(dim=2, keepdim=True)
     scale = (g.gather(2, at)[..., 0] / -8).bfloat16()
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).to(torch.int16) + 8
-    q = q.view(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2).to(torch.uint8)
-    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    return QuantizedWeight("int4", packed, scale, group_size, k)
+    q = torch.round(g / scale.float()[..., None]).clamp_(-8, 7).view(n, k)
+    return from_integers(q, scale, "int4", group_size)
 
 
 def from_integers(
     q: torch.Tensor, scale: torch.Tensor, scheme: str, group_size: int | None = None
 ) -> QuantizedWeight:
-    """A weight with the given values ``q`` (int ``[N, K]``) and scales, packed in the
-    canonical layout (tests and the conformance kit build exact cases with it)."""
+    """A weight with the given values ``q`` (``[N, K]``, integers in the scheme's range:
+    [-127, 127] or [-8, 7]) and scales, packed in the canonical layout."""
     n, k = q.shape
+    lo, hi = (-127, 127) if scheme == "int8" else (-8, 7)
+    if q.numel() and not (lo <= int(q.min()) and int(q.max()) <= hi):
+        raise ValueError(f"{scheme} values must lie in [{lo}, {hi}] (kernels rely on it)")
     if scheme == "int8":
         return QuantizedWeight("int8", q.to(torch.int8).contiguous(), scale.bfloat16(), k, k)
     check_scheme(scheme, group_size)
     u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
+    # byte j of each 16: input j in the low nibble, input j + 16 in the high one
     packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     return QuantizedWeight("int4", packed, scale.bfloat16().contiguous(), group_size, k)
 
@@ -189,7 +200,6 @@ REFERENCE_KERNELS = tuple(
         f"{scheme}-dequant",
         dequantized_linear,
         hf_exact=True,
-        column_invariant=True,
         scheme=scheme,
         description="F.linear on the dequantized bf16 weight (HF's arithmetic on it)",
     )

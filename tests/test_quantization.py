@@ -79,8 +79,14 @@ def test_quantized_projections_take_their_bytes_and_the_kept_tensors_their_own_m
     q = int8.weights["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(qkv, QuantizedWeight) and q.qweight.data_ptr() == qkv.qweight.data_ptr()
     assert not isinstance(int8.weights["lm_head.weight"], QuantizedWeight)
-    embed = int8.weights["model.embed_tokens.weight"]
-    assert embed.untyped_storage().nbytes() == embed.nbytes  # not a view of the bf16 buffer
+    parts = [
+        p
+        for w in int8.weights.values()
+        for p in (w.parts() if isinstance(w, QuantizedWeight) else (w,))
+    ]
+    storages = {p.untyped_storage().data_ptr() for p in parts}
+    assert len(storages) == 1  # one buffer from Device.alloc_weights, as the loader's
+    assert parts[0].untyped_storage().nbytes() < weight_bytes(plain.weights)
     quantized = dequantized(int8.weights)  # the checkpoint tensors quantized
     projections = sum(plain.weights[name].nbytes for name in quantized)
     saved = weight_bytes(plain.weights) - weight_bytes(int8.weights)
@@ -109,6 +115,17 @@ def test_hf_exact_quantized_is_the_reference_on_dequantized_weights(tiny_ckpt, s
         assert not torch.equal(logits, bf16_logits)  # the oracle is not the bf16 model's
 
 
+def assert_projections_take(llm: LLM, scheme: str, activations: bool) -> None:
+    """Every quantized projection of the plan runs a kernel of its scheme; one that quantizes
+    its activations only when asked to (``--quantize-activations``)."""
+    for kind in ("prompt", "generated"):
+        for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            kernel = llm.driver.kernel("linear", llm.plan.choice(kind, op).kernel)
+            assert kernel.scheme == scheme, (kind, op, kernel.name)
+            if not activations:
+                assert kernel.activations == "bf16", (kind, op, kernel.name)
+
+
 _ENGINES: dict = {}  # (driver, scheme) -> a deterministic engine on the GQA config, built once
 
 
@@ -135,6 +152,7 @@ def _deterministic(ckpt, driver_name, scheme, **kw):
 def test_deterministic_quantized_chunked_and_batched_equal_alone(checkpoints, driver_name, scheme):
     llm = _engine(checkpoints, driver_name, scheme)
     assert llm.plan.deterministic and llm.plan.quantization.startswith(scheme[:4])
+    assert_projections_take(llm, scheme[:4], activations=False)
     prompts = [prompt_of(40, seed=1), prompt_of(9, seed=2), prompt_of(23, seed=4)]
     together = llm.generate(prompts, GREEDY, return_logits=True)
     config = llm.engine.config
@@ -276,3 +294,45 @@ def test_a_memory_budget_gives_the_kv_pool_what_the_smaller_weights_leave(tiny_c
         LLM(tiny_ckpt, memory_budget=budget, num_blocks=4)
     with pytest.raises(ValueError, match="does not hold the weights"):
         LLM(tiny_ckpt, memory_budget=1000)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_kernels_quantizing_activations_run_only_when_asked_and_keep_the_guarantees(
+    checkpoints, scheme
+):
+    """cpu's W8A8 / W4A8 kernels: named with --linear, they need --quantize-activations;
+    with it, chunked and batched still equal alone, and exact speculation plain decoding."""
+    from tests.test_speculative import assert_same, jobs_of, run
+
+    ckpt = checkpoints(GQA, **PARITY_CONFIGS[GQA])
+    name = f"{scheme}-a8-avx2"
+    why = _cpu_kernel_missing(name)
+    if why is not None:
+        pytest.skip(why)
+    plain = _deterministic(ckpt, "cpu", "int8" if scheme == "int8" else "int4-g32")
+    assert_projections_take(plain, scheme, activations=False)
+    llm = _deterministic(
+        ckpt, "cpu", "int8" if scheme == "int8" else "int4-g32", linear=name,
+        quantize_activations=True,
+    )  # fmt: skip
+    assert llm.plan.choice("generated", "down_proj").kernel == name
+    assert llm.plan.quantization.endswith("+ int8 activations")
+    prompts = [prompt_of(40, seed=1), prompt_of(9, seed=2)]
+    together = llm.generate(prompts, GREEDY, return_logits=True)
+    for prompt, want in zip(prompts, together, strict=True):
+        [alone] = llm.generate([prompt], GREEDY, return_logits=True)
+        assert alone.token_ids == want.token_ids and torch.equal(alone.logits, want.logits)
+    spec = llm.with_speculation(2, tokens=3)
+    assert_same(run(spec, jobs_of(llm, num_speculative_tokens=3)), run(llm, jobs_of(llm)))
+    with pytest.raises(ValueError, match="needs --quantization"):
+        LLM(ckpt, quantize_activations=True)
+    with pytest.raises(
+        ValueError, match="quantizes its activations .*: add --quantize-activations"
+    ):
+        LLM(ckpt, quantization=scheme, linear=name)
+
+
+def _cpu_kernel_missing(name: str) -> str | None:
+    from drivers.cpu.driver import create
+
+    return create().kernel("linear", name).available()

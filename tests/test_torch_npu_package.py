@@ -120,7 +120,8 @@ def test_mode_fast_says_what_is_missing_as_device_npu_does(tiny_ckpt):
         "-m", "runtime_glue.cli.main", "plan", "--model", str(tiny_ckpt), "--mode", "fast"
     )  # noqa: E501
     assert anywhere.returncode == 0, anywhere.stderr
-    assert "fast mode: cpu offers no fused kernels, so its fastest unfused ones run; unavailable here: " in (
-        anywhere.stdout
+    assert (
+        "fast mode: cpu offers no fused kernels, so its fastest unfused ones run; unavailable here: "
+        in (anywhere.stdout)
     )
     assert "npu (CANN is not set up" in anywhere.stdout and "set_env.sh" in anywhere.stdout

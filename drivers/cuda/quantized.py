@@ -9,9 +9,9 @@
   ``(u - 8) * scale + zero`` for ``u = q + 8``, which is ``hal.quant``'s ``q * scale``.
 
 Each claims nothing (torch's kernels choose their own order) and each ``check`` runs the
-kernel once on the device against dequantize-then-matmul: a torch build or GPU without it, or
-a packing convention that differs, makes the kernel unavailable with the reason, never
-wrong. No GPU was lent where this was written: the conformance kit checks both on the
+kernel on the device against dequantize-then-matmul at each group size: a torch build or GPU
+without it, or a packing convention that differs, makes the kernel unavailable with the
+reason (the model's own shapes are the plan's trials' to meet). No GPU was lent where this was written: the conformance kit checks both on the
 device (``benchmarks/cuda_check.sh`` runs it).
 """
 
@@ -22,7 +22,7 @@ import functools
 import torch
 
 from hal.kernels import Kernel, KernelUnavailable
-from hal.quant import QuantizedWeight, quantize
+from hal.quant import GROUP_SIZES, QuantizedWeight, quantize
 from hal.reference import qlinear_f64
 
 INNER_K_TILES = 8  # torchao's choice for tinygemm
@@ -48,27 +48,27 @@ def int4_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return out.view(*x.shape[:-1], -1)
 
 
-def _checked(fn, scheme: str, group: int | None):
-    """A ``Kernel.check``: one call on the device, within the float64 bound of the
-    reference, or KernelUnavailable saying what happened."""
+def _checked(fn, scheme: str):
+    """A ``Kernel.check``: calls on the device at every group size of the scheme, each within
+    the float64 bound of the reference, or KernelUnavailable saying what happened."""
 
     @functools.cache  # once per process: it runs a kernel on the device
     def check() -> None:
         if not torch.cuda.is_available():
             raise KernelUnavailable("no CUDA device")
         gen = torch.Generator().manual_seed(5)
-        w = quantize(torch.randn(256, 1024, generator=gen).bfloat16(), scheme, group)
-        w = QuantizedWeight(w.scheme, w.qweight.cuda(), w.scale.cuda(), w.group_size, w.in_features)
-        x = torch.randn(3, 1024, generator=gen).bfloat16()
-        try:
-            got = fn(x.cuda(), w).double().cpu()
-        except (RuntimeError, NotImplementedError) as exc:
-            raise KernelUnavailable(f"torch's {scheme} kernel cannot run here: {exc}") from exc
-        exact, bound = qlinear_f64(x, w)
-        if ((got - exact).abs() > bound).any():
-            raise KernelUnavailable(
-                f"torch's {scheme} kernel disagrees with dequantize-then-matmul"
-            )
+        for group in (None,) if scheme == "int8" else GROUP_SIZES:
+            w = quantize(torch.randn(256, 1024, generator=gen).bfloat16(), scheme, group)
+            x = torch.randn(3, 1024, generator=gen).bfloat16()
+            try:
+                got = fn(x.cuda(), w.to("cuda")).double().cpu()
+            except (RuntimeError, NotImplementedError) as exc:
+                raise KernelUnavailable(f"torch's {scheme} kernel cannot run here: {exc}") from exc
+            exact, bound = qlinear_f64(x, w)
+            if ((got - exact).abs() > bound).any():
+                raise KernelUnavailable(
+                    f"torch's {scheme} kernel (group {group}) disagrees with dequantize-then-matmul"
+                )
 
     return check
 
@@ -79,7 +79,7 @@ KERNELS = (
         "int8-torch",
         int8_linear,
         scheme="int8",
-        check=_checked(int8_linear, "int8", None),
+        check=_checked(int8_linear, "int8"),
         description="torch._weight_int8pack_mm",
     ),
     Kernel(
@@ -87,7 +87,7 @@ KERNELS = (
         "int4-torch",
         int4_linear,
         scheme="int4",
-        check=_checked(int4_linear, "int4", 128),
+        check=_checked(int4_linear, "int4"),
         description="torch._weight_int4pack_mm (tinygemm) on its own packing",
     ),
 )

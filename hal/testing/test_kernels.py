@@ -6,7 +6,6 @@ invariance, column invariance on stacked weights) held exactly."""
 
 from __future__ import annotations
 
-import attrs
 import torch
 
 from hal.kernels import adversarial_rows, adversarial_weight, check_rows
@@ -51,7 +50,7 @@ def _qweight(n: int, k: int, scheme: str, group: int | None, gen, dev):
 
 
 def _on(w, dev):
-    return attrs.evolve(w, qweight=w.qweight.to(dev), scale=w.scale.to(dev), forms={})
+    return w.to(dev)
 
 
 def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):

@@ -100,17 +100,22 @@ def measure_floors(llm: LLM, rows: list[int]) -> dict:
     """Read bandwidth (the best of a copy, a sum and the plan's decode projection kernel on a
     large weight of the model's scheme), and the GEMM rate of the kernel the plan runs prompt
     rows through."""
-    from hal.quant import scheme_of
+    from hal.quant import QuantizedWeight
 
     dev, sync = llm.driver.device.torch_device, llm.driver.device.synchronize
     linear = llm.model.kernels.rows["prompt"]["gate_up_proj"]
     decode = llm.model.kernels.rows["generated"]["gate_up_proj"]
-    scheme = scheme_of(llm.weights["model.layers.0.mlp.gate_up_proj.weight"])
+    w = llm.weights["model.layers.0.mlp.gate_up_proj.weight"]
+    quantized = (w.scheme, w.group_size) if isinstance(w, QuantizedWeight) else None
+    scheme = "bf16" if quantized is None else quantized[0]
     return {
         "bandwidth": floors.read_bandwidth(dev, sync, decode_linear=decode, scheme=scheme),
         "decode_kernel": llm.plan.choice("generated", "gate_up_proj").kernel,
         "gemm_kernel": llm.plan.choice("prompt", "gate_up_proj").kernel,
-        "gemm_flops": {r: floors.gemm_rate(dev, sync, r, linear=linear) for r in sorted(set(rows))},
+        "gemm_flops": {
+            r: floors.gemm_rate(dev, sync, r, linear=linear, quantized=quantized)
+            for r in sorted(set(rows))
+        },
     }
 
 

@@ -56,9 +56,10 @@ def _big_weight(nbytes: int, scheme: str, device: torch.device, k: int = 2048):
     per_row = k if scheme == "int8" else k // 2
     n = nbytes // per_row
     groups = 1 if scheme == "int8" else k // 32
-    q = torch.randint(0, 256, (n, per_row), dtype=torch.uint8, device=device)
-    if scheme == "int8":
-        q = q.view(torch.int8)
+    if scheme == "int8":  # hal.quant's range, [-127, 127]
+        q = torch.randint(-127, 128, (n, per_row), dtype=torch.int8, device=device)
+    else:
+        q = torch.randint(0, 256, (n, per_row), dtype=torch.uint8, device=device)
     scale = (torch.rand(n, groups, device=device) * 0.01).bfloat16()
     return QuantizedWeight(
         scheme, q, scale[:, 0] if scheme == "int8" else scale, k if scheme == "int8" else 32, k
@@ -73,11 +74,16 @@ def gemm_rate(
     n: int = 5632,
     repeats: int = 3,
     linear=F.linear,
+    quantized: tuple[str, int] | None = None,
 ) -> float:
-    """bf16 FLOP/s of ``linear`` (the model's projection kernel) with ``rows`` rows against a
-    [n, k] weight."""
+    """FLOP/s of ``linear`` (the model's projection kernel) with ``rows`` bf16 rows against a
+    [n, k] weight: bf16, or ``quantized`` ``(scheme, group size)`` as the model's are."""
+    from hal.quant import quantize
+
     x = torch.randn(rows, k, device=device).bfloat16()
     w = torch.randn(n, k, device=device).bfloat16()
+    if quantized is not None:
+        w = quantize(w, *quantized)
     seconds = _median_time(lambda: linear(x, w), repeats, sync)
     return 2 * rows * k * n / seconds
 

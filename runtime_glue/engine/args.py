@@ -155,6 +155,13 @@ class EngineArgs:
     quantize_lm_head: bool = cli_field(
         False, "with --quantization, quantize lm_head too", action="store_true"
     )
+    quantize_activations: bool = cli_field(
+        False,
+        "with --quantization, let the plan also use kernels that quantize the activations per "
+        "block of 32 as llama.cpp's Q8_0 does, with integer dot products (W8A8 / W4A8): "
+        "faster where decode is bound by instructions, not bytes; another arithmetic",
+        action="store_true",
+    )
     block_size: int = cli_field(128, "tokens per KV block (a power of two >= 16)")
     num_blocks: int | None = cli_field(
         None, "KV pool size in blocks (default: as many as --kv-cache-memory holds)", type=int

@@ -130,7 +130,12 @@ class LLM:
         cfg = self.config
         if args.quantization is not None:
             weights = quantize_weights(
-                weights, cfg, args.quantization, args.quantization_group_size, args.quantize_lm_head
+                weights,
+                cfg,
+                args.quantization,
+                args.quantization_group_size,
+                args.quantize_lm_head,
+                self.driver.device,
             )
         probe = KVLayout(cfg.num_planes, 1, args.block_size, cfg.num_key_value_heads, cfg.head_dim)
         kv_memory = args.kv_cache_memory
@@ -180,6 +185,7 @@ class LLM:
             mode=args.mode,
             block_size=args.block_size,
             remeasure=args.remeasure_plan,
+            activations=args.quantize_activations,
         )
         if args.mode == "fast" and not plan.admissions:
             from runtime_glue.ouro.admission import nothing_to_admit

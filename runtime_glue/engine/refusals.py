@@ -89,7 +89,9 @@ def _speculation(args: Any, cfg: Any) -> str | None:
 
 
 def _quantization(args: Any, cfg: Any) -> str | None:
-    return check_quantization(cfg, args.quantization, args.quantization_group_size)
+    return check_quantization(
+        cfg, args.quantization, args.quantization_group_size, args.quantize_activations
+    )
 
 
 def _memory(args: Any, cfg: Any) -> str | None:

@@ -230,10 +230,11 @@ def fast_plan(
     attention: str | None,
     linear: str | None,
     block_size: int,
+    activations: bool = False,
 ) -> ExecutionPlan:
     """The fast plan: stacked projections, each fused kernel that passes its check, and for
-    every other op the fastest kernel timed now (``kernel_trials.fastest``): never slower
-    than a deterministic plan's choice, which must also keep a row's bits."""
+    every other op the fastest kernel timed now (``kernel_trials.fastest``), from a choice
+    that includes every kernel a deterministic plan may take."""
     device = driver.device.torch_device
     admissions: list[Admission] = []
     chosen: dict[str, str] = {}
@@ -259,7 +260,8 @@ def fast_plan(
         if attention is not None:
             backend_name = driver.default_backend
     fixed = {op: k for op, k in chosen.items() if op in OPS and k != "torch"}
-    picked, measured = fastest(driver, model_ops(cfg, weights, device), linear, fixed)
+    ops = model_ops(cfg, weights, device)
+    picked, measured = fastest(driver, ops, linear, fixed, activations)
     taken = [a for a in admissions if a.admitted]
     notes = (
         f"fast mode: {len(taken)} of {len(admissions)} fused kernels admitted on "

@@ -61,9 +61,7 @@ class PlanOp:
             n, k = w.shape
             if isinstance(w, QuantizedWeight):
                 qw = adversarial_qweight(n, k, w.scheme, w.group_size, gen)
-                self._check_inputs["w"] = attrs.evolve(
-                    qw, qweight=qw.qweight.to(self.device), scale=qw.scale.to(self.device)
-                )
+                self._check_inputs["w"] = qw.to(self.device)
             else:
                 self._check_inputs["w"] = adversarial_weight(n, k, gen).to(self.device)
         if rows not in self._check_inputs:
@@ -196,8 +194,11 @@ def plain_linear(driver: Driver, linear: str | None, scheme: str) -> str:
 
 
 def _candidates(
-    driver: Driver, op: str, linear: str | None, scheme: str
+    driver: Driver, op: str, linear: str | None, scheme: str, activations: bool = False
 ) -> tuple[list[Kernel], list[str]]:
+    """The kernels a plan may give ``op`` (weights in ``scheme``), and why others cannot run.
+    A kernel that quantizes its activations (``Kernel.activations``) only with
+    ``activations`` (``--quantize-activations``)."""
     usable: list[Kernel] = []
     notes: list[str] = []
     named = named_for(driver, linear, scheme) if hal_op(op) == "linear" else None
@@ -205,6 +206,8 @@ def _candidates(
         if named is not None and kernel.name != named:
             continue
         if kernel.fast_only:  # admitted by --mode fast's own check, never chosen here
+            continue
+        if kernel.activations != "bf16" and not activations:
             continue
         why = kernel.available()
         if why is None:
@@ -214,7 +217,9 @@ def _candidates(
     return usable, notes
 
 
-def measure(driver: Driver, ops: dict[str, PlanOp], linear: str | None) -> Recorded:
+def measure(
+    driver: Driver, ops: dict[str, PlanOp], linear: str | None, activations: bool = False
+) -> Recorded:
     """Each op's kernel for each row kind: of those that pass the start-up check, the fastest
     by ``_best``, timed here and now."""
     chosen: dict[str, dict[str, OpChoice]] = {kind: {} for kind in KINDS}
@@ -222,7 +227,7 @@ def measure(driver: Driver, ops: dict[str, PlanOp], linear: str | None) -> Recor
     notes: list[str] = []
     for kind in KINDS:
         for op in OPS:
-            kernels, skipped = _candidates(driver, op, linear, ops[op].scheme)
+            kernels, skipped = _candidates(driver, op, linear, ops[op].scheme, activations)
             notes += [n for n in skipped if n not in notes]
             trials = _trials(ops[op], kind, kernels, driver.device.synchronize)
             passed = {k: t for k, t in trials.items() if t.tiles is not None}
@@ -240,7 +245,11 @@ def measure(driver: Driver, ops: dict[str, PlanOp], linear: str | None) -> Recor
 
 
 def fastest(
-    driver: Driver, ops: dict[str, PlanOp], linear: str | None, fixed: dict[str, str]
+    driver: Driver,
+    ops: dict[str, PlanOp],
+    linear: str | None,
+    fixed: dict[str, str],
+    activations: bool = False,
 ) -> tuple[dict[str, dict[str, OpChoice]], tuple[Measurement, ...]]:
     """Fast mode's kernel for each op and row kind: the fastest usable one at the op's real
     shape, timed at the kind's row counts, with no row check (fast mode keeps no bits).
@@ -253,7 +262,9 @@ def fastest(
             if op in fixed:
                 chosen[kind][op] = OpChoice(fixed[op])
                 continue
-            kernels, _ = _candidates(driver, op, linear, ops[op].scheme)
+            kernels, skipped = _candidates(driver, op, linear, ops[op].scheme, activations)
+            if not kernels:
+                raise ValueError(f"no kernel for {op} can run here: {'; '.join(skipped)}")
             timed = {
                 k.name: _Trial(
                     (),

@@ -3,8 +3,9 @@
 Quantized: every layer's q|k|v, o, gate|up and down projections (lm_head only when asked).
 The embedding (a row gather), the exit gate (one output) and the norms stay bf16. A stacked
 projection (``checkpoint.STACKED``) is quantized once and its members are row slices of it,
-so a column-invariant kernel still makes one call for q|k|v. The bf16 tensors kept are copied
-out of the checkpoint's buffer, which is then freed: the weights take their quantized bytes.
+so a column-invariant kernel still makes one call for q|k|v. Everything (packed weights,
+scales, the bf16 tensors kept) is copied into one new buffer from ``Device.alloc_weights``, and
+the checkpoint's is freed: the weights take their quantized bytes, placed as bf16 ones are.
 
 :func:`dequantized` gives the weights as the HF reference takes them: the oracle of a
 quantized model is the reference run on its dequantized weights (``hal.quant``).
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
+from hal.interfaces import Device
 from hal.quant import QuantizedWeight, check_scheme, describe, quantize
 from runtime_glue.ouro.checkpoint import STACKED
 from runtime_glue.ouro.config import OuroConfig
@@ -24,10 +27,14 @@ LONE = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 INPUT_WIDTHS = ("hidden_size", "intermediate_size")  # the K of every quantized projection
 
 
-def check_quantization(cfg: OuroConfig, scheme: str | None, group_size: int) -> str | None:
+def check_quantization(
+    cfg: OuroConfig, scheme: str | None, group_size: int, activations: bool = False
+) -> str | None:
     """Why ``scheme`` cannot quantize this model's projections (None if it can): checked
     from config.json, before the weights load."""
     if scheme is None:
+        if activations:
+            return "--quantize-activations needs --quantization (int8 or int4 weights)"
         return None
     try:
         check_scheme(scheme, group_size)
@@ -55,57 +62,89 @@ def quantize_weights(
     scheme: str,
     group_size: int,
     lm_head: bool = False,
+    device: Device | None = None,
 ) -> dict[str, Any]:
-    """``weights`` (``checkpoint.load_weights``) with the projections in ``scheme``."""
-    out: dict[str, Any] = {}
+    """``weights`` (``checkpoint.load_weights``) with the projections in ``scheme``, every
+    tensor (packed weights, scales, the bf16 ones kept) in one buffer from
+    ``device.alloc_weights`` (aligned, huge pages on cpu), as the loader places bf16 weights."""
+    owners: dict[str, Any] = {}  # quantized projections (stacked ones once) and kept tensors
+    members: dict[str, tuple[str, int, int]] = {}  # a stacked member: (its stack, rows)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
-        for stacked, members in STACKED.items():
-            qw = quantize(weights[p + stacked], scheme, group_size)
-            out[p + stacked] = qw
+        for stacked, names in STACKED.items():
+            owners[p + stacked] = quantize(weights[p + stacked], scheme, group_size)
             start = 0
-            for member in members:
+            for member in names:
                 rows = weights[p + member].shape[0]
-                out[p + member] = qw.rows(start, start + rows)
+                members[p + member] = (p + stacked, start, start + rows)
                 start += rows
         for name in LONE:
-            out[p + name] = quantize(weights[p + name], scheme, group_size)
+            owners[p + name] = quantize(weights[p + name], scheme, group_size)
     if lm_head:
-        out["lm_head.weight"] = quantize(weights["lm_head.weight"], scheme, group_size)
-    copies: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        owners["lm_head.weight"] = quantize(weights["lm_head.weight"], scheme, group_size)
     for name, w in weights.items():
-        if name not in out:  # kept bf16: its own memory, not a view of the checkpoint buffer
-            key = (w.data_ptr(), tuple(w.shape))
-            out[name] = copies.setdefault(key, w.clone())
+        if name not in owners and name not in members:
+            owners[name] = w  # kept bf16
+    out = _in_one_buffer(owners, device)
+    for name, (stacked, start, stop) in members.items():
+        out[name] = out[stacked].rows(start, stop)
     return out
 
 
+_ALIGN = 64  # bytes between tensors in the buffer
+
+
+def _in_one_buffer(tensors: dict[str, Any], device: Device | None) -> dict[str, Any]:
+    """Every tensor (and every QuantizedWeight's two) copied into one byte buffer."""
+
+    def parts(t):
+        return t.parts() if isinstance(t, QuantizedWeight) else (t,)
+
+    flat = [x for t in tensors.values() for x in parts(t)]
+    offsets, total = [], 0
+    for x in flat:
+        offsets.append(total)
+        total = -(-(total + x.nbytes) // _ALIGN) * _ALIGN
+    if device is None:
+        buffer = torch.empty(total, dtype=torch.uint8, device=flat[0].device)
+    else:
+        buffer = device.alloc_weights(total, torch.uint8)
+    placed = iter(
+        buffer[at : at + x.nbytes].view(x.dtype).view(x.shape).copy_(x)
+        for at, x in zip(offsets, flat, strict=True)
+    )
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        if isinstance(t, QuantizedWeight):
+            out[name] = attrs.evolve(t, qweight=next(placed), scale=next(placed), forms={})
+        else:
+            out[name] = next(placed)
+    return out
+
+
+def _checkpoint_tensors(weights: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's own tensors: the stacked views (``checkpoint.STACKED``) left out."""
+    return {n: w for n, w in weights.items() if n.split(".", 3)[-1] not in STACKED}
+
+
 def dequantized(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Each quantized checkpoint tensor (stacked views excluded), dequantized to bf16."""
-    stacked = set(STACKED)
-    return {
-        name: w.dequantize()
-        for name, w in weights.items()
-        if isinstance(w, QuantizedWeight) and name.split(".", 3)[-1] not in stacked
-    }
+    """Each quantized checkpoint tensor, dequantized to bf16."""
+    own = _checkpoint_tensors(weights).items()
+    return {name: w.dequantize() for name, w in own if isinstance(w, QuantizedWeight)}
 
 
 def weight_bytes(weights: dict[str, Any]) -> int:
-    """The bytes the model's weights take (stacked views counted once, by their members)."""
-    stacked = set(STACKED)
-    total = 0
-    for name, w in weights.items():
-        if name.split(".", 3)[-1] in stacked:
-            continue
-        total += w.nbytes
-    return total
+    """The bytes the model's weights take (a stacked projection counted once, by its
+    members)."""
+    return sum(w.nbytes for w in _checkpoint_tensors(weights).values())
 
 
-def weights_label(weights: dict) -> str:
-    """How the plan names the model's weights: "bf16", "int8", "int4 (group 32)", and
-    "+ lm_head" where lm_head is quantized too."""
+def weights_label(weights: dict, activations: bool = False) -> str:
+    """How the plan names the model's weights: "bf16", "int8", "int4 (group 32)", with
+    " + lm_head" where lm_head is quantized too and " + int8 activations" where kernels may
+    quantize their activations (``--quantize-activations``)."""
     w = weights["model.layers.0.mlp.down_proj.weight"]
     if not isinstance(w, QuantizedWeight):
         return "bf16"
-    head = isinstance(weights["lm_head.weight"], QuantizedWeight)
-    return describe(w.scheme, w.group_size) + (" + lm_head" if head else "")
+    head = " + lm_head" if isinstance(weights["lm_head.weight"], QuantizedWeight) else ""
+    return describe(w.scheme, w.group_size) + head + (" + int8 activations" if activations else "")

@@ -81,6 +81,7 @@ def resolve(
     mode: str | None = None,
     block_size: int = 128,
     remeasure: bool = False,
+    activations: bool = False,
 ) -> ExecutionPlan:
     """The plan for this model on this driver.
 
@@ -96,12 +97,20 @@ def resolve(
     checkpoint's); ``adaptive_depth`` lets exiting decode rows skip their remaining loops.
     ``remeasure``: time the kernels again and record the new choice instead of reusing the
     one recorded for this machine, shape and flags (``runtime_glue.ouro.plan_record``).
+    ``activations``: quantized projections may also run kernels that quantize their
+    activations (``--quantize-activations``; ``hal.kernels.Kernel.activations``).
     """
     exits = _exit_defaults(cfg, exit_at_step, exit_threshold)
     deterministic = mode_to_deterministic(mode, deterministic)
     schemes = op_schemes(weights)
     if linear is not None:
-        scheme = driver.kernel("linear", linear).scheme
+        named = driver.kernel("linear", linear)
+        scheme = named.scheme
+        if named.activations != "bf16" and not activations:
+            raise ValueError(
+                f"--linear {linear} quantizes its activations ({named.description}): add "
+                "--quantize-activations"
+            )
         if scheme not in ("bf16", *schemes.values()):
             raise ValueError(
                 f"--linear {linear} takes {scheme} weights, and this model's projections are "
@@ -110,14 +119,16 @@ def resolve(
     if mode == "fast":
         from runtime_glue.ouro.admission import fast_plan
 
-        plan = fast_plan(driver, cfg, weights, attention, linear, block_size)
+        plan = fast_plan(driver, cfg, weights, attention, linear, block_size, activations)
     else:
-        plan = _resolve_kernels(driver, cfg, weights, attention, deterministic, linear, remeasure)
+        plan = _resolve_kernels(
+            driver, cfg, weights, attention, deterministic, linear, remeasure, activations
+        )
     return attrs.evolve(
         plan,
         exit_defaults=exits,
         adaptive_depth=adaptive_depth,
-        quantization=weights_label(weights),
+        quantization=weights_label(weights, activations),
     )
 
 
@@ -148,7 +159,7 @@ def _exit_defaults(cfg: OuroConfig, step: int | None, threshold: float | None) -
 
 
 def _resolve_kernels(
-    driver, cfg, weights, attention, deterministic, linear, remeasure
+    driver, cfg, weights, attention, deterministic, linear, remeasure, activations
 ) -> ExecutionPlan:
     backend = driver.backend(attention)
     if linear is not None:
@@ -160,7 +171,7 @@ def _resolve_kernels(
     if not want:
         return _exact_plan(driver, backend, linear, op_schemes(weights))
     try:
-        return _deterministic_plan(driver, backend, cfg, weights, linear, remeasure)
+        return _deterministic_plan(driver, backend, cfg, weights, linear, remeasure, activations)
     except DeterminismUnavailable as exc:
         if deterministic:
             raise
@@ -190,7 +201,9 @@ def record_note(plan: ExecutionPlan) -> str | None:
     return next((n for n in plan.notes if n.startswith((RECORDED_IN, MEASURED_NOW))), None)
 
 
-def _deterministic_plan(driver, backend, cfg, weights, linear, remeasure) -> ExecutionPlan:
+def _deterministic_plan(
+    driver, backend, cfg, weights, linear, remeasure, activations
+) -> ExecutionPlan:
     """The recorded choice for this machine, shape and flags if it still passes the start-up
     check; else (or with ``remeasure``) a choice measured now, and recorded."""
     device = driver.device.torch_device
@@ -198,7 +211,8 @@ def _deterministic_plan(driver, backend, cfg, weights, linear, remeasure) -> Exe
     if why is not None:
         raise DeterminismUnavailable(why)
     ops = model_ops(cfg, weights, device)
-    record = PlanRecord(driver, cfg, backend.name, linear, weights_label(weights))
+    label = weights_label(weights, activations)
+    record = PlanRecord(driver, cfg, backend.name, linear, label)
     with record.locked():
         recorded = None if remeasure else record.load()
         if recorded is not None:
@@ -212,7 +226,7 @@ def _deterministic_plan(driver, backend, cfg, weights, linear, remeasure) -> Exe
             why = f"the choice recorded in {record.path} failed its start-up check ({stale})"
         else:
             why = "asked to (--remeasure-plan)" if remeasure else "none recorded"
-        recorded = measure(driver, ops, linear)
+        recorded = measure(driver, ops, linear, activations)
         record.save(recorded)
     note = f"{MEASURED_NOW}{why}; {recorded.when}) and recorded in {record.path}"
     return _plan(backend, recorded, (*recorded.notes, note))
