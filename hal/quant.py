@@ -154,6 +154,7 @@ def from_integers(
     if scheme == "int8":
         return QuantizedWeight("int8", q.to(torch.int8).contiguous(), scale.bfloat16(), k, k)
     check_scheme(scheme, group_size)
+    assert group_size is not None  # check_scheme: int4 has one
     u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
     # byte j of each 16: input j in the low nibble, input j + 16 in the high one
     packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
@@ -221,7 +222,7 @@ def adversarial_qweight(n: int, k: int, scheme: str, group_size: int | None, gen
     big = 127 if scheme == "int8" else -8
     for a, b in _big_columns(k):
         q[:, a] = q[:, b] = big
-    groups = 1 if scheme == "int8" else k // group_size
+    groups = k // group_size if scheme == "int4" and group_size else 1
     scale = torch.ones(n, groups) if scheme == "int4" else torch.ones(n)
     return from_integers(q, scale, scheme, group_size)
 

@@ -81,9 +81,8 @@ def gemm_rate(
     from hal.quant import quantize
 
     x = torch.randn(rows, k, device=device).bfloat16()
-    w = torch.randn(n, k, device=device).bfloat16()
-    if quantized is not None:
-        w = quantize(w, *quantized)
+    dense = torch.randn(n, k, device=device).bfloat16()
+    w = dense if quantized is None else quantize(dense, *quantized)
     seconds = _median_time(lambda: linear(x, w), repeats, sync)
     return 2 * rows * k * n / seconds
 
