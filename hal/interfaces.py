@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from hal.kernels import TORCH_KERNELS, Kernel
+from hal.kernels import TORCH_KERNELS, WEIGHT_SCHEMES, Kernel
 from hal.types import AttentionMetadata, KVLayout
 
 if TYPE_CHECKING:
@@ -244,7 +244,8 @@ class Driver:
         for k in self.kernels_for(op, None):
             if k.name == name:
                 return k
-        known = ", ".join(k.name for k in self.kernels_for(op, None))
+        offered = sorted(self.kernels_for(op, None), key=lambda k: WEIGHT_SCHEMES.index(k.scheme))
+        known = ", ".join(k.name for k in offered)  # bf16 kernels first
         raise ValueError(
             f"{op} kernel {name!r} is not offered by driver {self.name!r}; choose one of: {known}"
         )
