@@ -16,22 +16,22 @@ from pathlib import Path
 
 import torch
 
-from drivers.cpu import kernels
+from drivers.cpu import kernels, quant_kernels
 from hal.quant import quantize
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 # (column, scheme, group size, kernel)
 KERNELS = [
     ("bf16 avx2", "bf16", None, kernels.linear_avx2),
-    ("int8-avx2", "int8", None, kernels.int8_avx2),
-    ("int8-torch", "int8", None, kernels.int8_torch),
-    ("int8-a8-avx2", "int8", None, kernels.int8_a8_avx2),
-    ("int4-avx2 g32", "int4", 32, kernels.int4_avx2),
-    ("int4-avx2 g128", "int4", 128, kernels.int4_avx2),
-    ("int4-a8-avx2 g32", "int4", 32, kernels.int4_a8_avx2),
-    ("int4-a8-avx2 g128", "int4", 128, kernels.int4_a8_avx2),
-    ("int4-torch g32", "int4", 32, kernels.int4_torch),
-    ("int4-torch g128", "int4", 128, kernels.int4_torch),
+    ("int8-avx2", "int8", None, quant_kernels.int8_avx2),
+    ("int8-torch", "int8", None, quant_kernels.int8_torch),
+    ("int8-a8-avx2", "int8", None, quant_kernels.int8_a8_avx2),
+    ("int4-avx2 g32", "int4", 32, quant_kernels.int4_avx2),
+    ("int4-avx2 g128", "int4", 128, quant_kernels.int4_avx2),
+    ("int4-a8-avx2 g32", "int4", 32, quant_kernels.int4_a8_avx2),
+    ("int4-a8-avx2 g128", "int4", 128, quant_kernels.int4_a8_avx2),
+    ("int4-torch g32", "int4", 32, quant_kernels.int4_torch),
+    ("int4-torch g128", "int4", 128, quant_kernels.int4_torch),
 ]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drivers.cpu import kernels
+from drivers.cpu import quant_kernels
 from drivers.cpu.driver import create
 from hal.kernels import check_rows
 from hal.quant import (
@@ -217,34 +217,34 @@ def test_the_kernels_are_torch_custom_ops_with_fake_implementations():
     w8, w4 = _weight(16, 64, "int8", None), _weight(16, 64, "int4", 32)
     x = torch.randn(3, 64).bfloat16()
     with torch.profiler.profile() as prof:
-        kernels.int8_avx2(x, w8)
-        kernels.int4_avx2(x, w4)
+        quant_kernels.int8_avx2(x, w8)
+        quant_kernels.int4_avx2(x, w4)
     names = {e.key for e in prof.key_averages()}
     assert {"rlt_cpu::linear_int8_avx2", "rlt_cpu::linear_int4_avx2"} <= names
     with torch._subclasses.fake_tensor.FakeTensorMode():
         x = torch.empty(5, 64, dtype=torch.bfloat16)
         q8, s8 = torch.empty(16, 64, dtype=torch.int8), torch.empty(16, dtype=torch.bfloat16)
         q4, s4 = torch.empty(16, 32, dtype=torch.uint8), torch.empty(16, 2, dtype=torch.bfloat16)
-        assert kernels.linear_int8_avx2(x, q8, s8).shape == (5, 16)
-        assert kernels.linear_int4_avx2(x, q4, s4, 32).shape == (5, 16)
+        assert quant_kernels.linear_int8_avx2(x, q8, s8).shape == (5, 16)
+        assert quant_kernels.linear_int4_avx2(x, q4, s4, 32).shape == (5, 16)
 
 
 def test_they_reject_what_they_cannot_compute():
     w8, w4 = _weight(16, 64, "int8", None), _weight(16, 64, "int4", 32)
     x = torch.randn(3, 64).bfloat16()
     with pytest.raises(TypeError, match="bf16 CPU tensors"):
-        kernels.linear_int8_avx2(x.float(), w8.qweight, w8.scale)
+        quant_kernels.linear_int8_avx2(x.float(), w8.qweight, w8.scale)
     with pytest.raises(TypeError, match="bf16 CPU tensors"):
-        kernels.linear_int4_avx2(x, w4.qweight, w4.scale.float(), 32)
+        quant_kernels.linear_int4_avx2(x, w4.qweight, w4.scale.float(), 32)
     with pytest.raises(TypeError, match="torch.int8 CPU qweight"):
-        kernels.linear_int8_avx2(x, w8.qweight.to(torch.int16), w8.scale)
+        quant_kernels.linear_int8_avx2(x, w8.qweight.to(torch.int16), w8.scale)
     with pytest.raises(TypeError, match="torch.uint8 CPU qweight"):
-        kernels.linear_int4_avx2(x, w4.qweight.to(torch.int8), w4.scale, 32)
+        quant_kernels.linear_int4_avx2(x, w4.qweight.to(torch.int8), w4.scale, 32)
     with pytest.raises(TypeError, match="contiguous qweight and scale"):
-        kernels.linear_int8_avx2(x, w8.qweight.t().contiguous().t(), w8.scale)
+        quant_kernels.linear_int8_avx2(x, w8.qweight.t().contiguous().t(), w8.scale)
     with pytest.raises(ValueError, match="do not match"):
-        kernels.linear_int8_avx2(x[:, :32], w8.qweight, w8.scale)
+        quant_kernels.linear_int8_avx2(x[:, :32], w8.qweight, w8.scale)
     with pytest.raises(ValueError, match="do not match group 64"):
-        kernels.linear_int4_avx2(x, w4.qweight, w4.scale, 64)
+        quant_kernels.linear_int4_avx2(x, w4.qweight, w4.scale, 64)
     with pytest.raises(ValueError, match="must be one of"):
-        kernels.linear_int4_avx2(x, w4.qweight, w4.scale, 16)
+        quant_kernels.linear_int4_avx2(x, w4.qweight, w4.scale, 16)

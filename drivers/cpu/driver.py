@@ -10,7 +10,7 @@ import sys
 import attrs
 import torch
 
-from drivers.cpu import kernels
+from drivers.cpu import kernels, quant_kernels
 from hal.eager import EagerBackend, TensorKVStore
 from hal.interfaces import CompletedFence, Device, Driver, Fence
 from hal.kernels import KernelUnavailable
@@ -120,5 +120,5 @@ def create(index: int | None = None) -> CpuDriver:
     if index not in (None, 0):
         raise ValueError(f"the cpu driver has one device, index 0; got cpu:{index}")
     backends = {"cpu_eager": CpuEagerBackend()}
-    offered = (*REFERENCE_KERNELS, *kernels.KERNELS)
+    offered = (*REFERENCE_KERNELS, *kernels.KERNELS, *quant_kernels.KERNELS)
     return CpuDriver("cpu", CpuDevice(), backends, "cpu_eager", offered)

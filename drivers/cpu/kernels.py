@@ -6,19 +6,7 @@
 - ``linear_avx512bf16`` (``csrc/linear_avx512bf16.c``): the same contract with AVX-512 BF16
   dot products, offered only where the CPU has them. There torch's GEMM is faster at large
   row counts and this kernel at small ones; the execution plan measures which to use where.
-- ``linear_int8_avx2`` and ``linear_int4_avx2`` (``csrc/linear_quant_avx2.c``): weight-only
-  quantized projections in ``hal.quant``'s layout (W8A16, W4A16): each weight widened to fp32
-  in registers (int4 dequantized exactly, ``q * scale``), activations kept in fp32, the sums
-  in linear_avx2's order. Offered as the "int8-avx2" and "int4-avx2" linear kernels; torch's
-  own ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (on its packing, derived
-  once per weight) are offered beside them as "int8-torch" and "int4-torch" (neither claims
-  row invariance), so the execution plan measures which to use.
-- ``linear_int8_a8_avx2`` and ``linear_int4_a8_avx2`` (``csrc/linear_a8_avx2.c``): the same
-  weights with the activations quantized per block of 32 as llama.cpp's Q8_0 does, summed
-  with int8 dot products (W8A8, W4A8: "int8-a8-avx2", "int4-a8-avx2", ``Kernel.activations``
-  "int8"). About half the instructions per weight of widening it to fp32, which is what
-  bounds decode on a CPU without bf16 or VNNI instructions; the arithmetic differs from the
-  weight-only kernels by the activations' rounding (``hal.quant.quantize_activations``).
+- the weight-only quantized projections: ``drivers.cpu.quant_kernels``.
 - ``paged_attention`` (``csrc/attention.c``): deterministic-mode attention read straight from
   the bf16 paged cache, one call per plane for every row of a step.
 - ``rms_norm`` (``csrc/rms_norm.c``) and ``silu_mul`` (``csrc/silu_mul.c``): HF's roundings,
@@ -44,12 +32,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from hal.cache import cache_dir
 from hal.kernels import Kernel, KernelUnavailable
-from hal.quant import GROUP_SIZES, QuantizedWeight
 
 CSRC = Path(__file__).with_name("csrc")
 HEADER = CSRC / "rlt_cpu.h"
@@ -170,168 +156,6 @@ def _linear_fake(x: Tensor, w: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
-def _quant_operands(name: str, x: Tensor, qweight: Tensor, qdtype: torch.dtype, scale: Tensor):
-    _bf16_cpu(name, x, scale)
-    if qweight.dtype != qdtype or qweight.device.type != "cpu":
-        raise TypeError(
-            f"{name} takes a {qdtype} CPU qweight, got {qweight.dtype} on {qweight.device}"
-        )
-    if not (qweight.is_contiguous() and scale.is_contiguous()):
-        raise TypeError(f"{name} takes a contiguous qweight and scale (hal.quant's layout)")
-
-
-def _quant_linear(name: str, x: Tensor, qweight: Tensor, scale: Tensor, n: int, k: int, *extra):
-    rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-    kernel = getattr(library()[1], f"rlt_{name}")
-    m = rows.shape[0]
-    if m and kernel(_ptr(rows), _ptr(qweight), _ptr(scale), _ptr(out), m, n, k, *extra):
-        raise MemoryError(f"{name}: no scratch memory for {m} x {k}")
-    return out.view(*x.shape[:-1], n)
-
-
-def _int8_op(name: str, doc: str):
-    """A custom op ``rlt_cpu::NAME(x, qweight, scale)`` on hal.quant's int8 layout."""
-
-    def op(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
-        _quant_operands(name, x, qweight, torch.int8, scale)
-        n, k = qweight.shape
-        if scale.shape != (n,) or x.shape[-1] != k:
-            raise ValueError(
-                f"{name}: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and "
-                f"scale {list(scale.shape)} do not match (scale [N], x [..., K])"
-            )
-        return _quant_linear(name, x, qweight, scale, n, k)
-
-    op.__doc__ = doc
-    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
-    custom.register_fake(lambda x, qweight, scale: x.new_empty(*x.shape[:-1], qweight.shape[0]))
-    return custom
-
-
-def _int4_op(name: str, doc: str):
-    """A custom op ``rlt_cpu::NAME(x, qweight, scale, group)`` on hal.quant's int4 layout."""
-
-    def op(x: Tensor, qweight: Tensor, scale: Tensor, group: int) -> Tensor:
-        _quant_operands(name, x, qweight, torch.uint8, scale)
-        n, k = qweight.shape[0], 2 * qweight.shape[1]
-        if group not in GROUP_SIZES or k % group:
-            raise ValueError(f"{name}: group {group} must be one of {GROUP_SIZES} and divide K {k}")
-        if scale.shape != (n, k // group) or x.shape[-1] != k:
-            raise ValueError(
-                f"{name}: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and scale "
-                f"{list(scale.shape)} do not match group {group} (qweight [N, K / 2], scale "
-                "[N, K / group])"
-            )
-        return _quant_linear(name, x, qweight, scale, n, k, group)
-
-    op.__doc__ = doc
-    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
-    custom.register_fake(
-        lambda x, qweight, scale, group: x.new_empty(*x.shape[:-1], qweight.shape[0])
-    )
-    return custom
-
-
-linear_int8_avx2 = _int8_op(
-    "linear_int8_avx2",
-    "``x @ (qweight * scale[:, None]).T``: x ``[..., K]`` bf16, qweight int8 ``[N, K]``, scale "
-    "bf16 ``[N]`` (hal.quant's int8 layout); fp32 sums, AVX2 + FMA.",
-)
-linear_int4_avx2 = _int4_op(
-    "linear_int4_avx2",
-    "``x @ dequant(qweight).T``: x ``[..., K]`` bf16, qweight uint8 ``[N, K / 2]`` and scale "
-    "bf16 ``[N, K / group]`` in hal.quant's int4 layout; fp32 sums, AVX2 + FMA.",
-)
-linear_int8_a8_avx2 = _int8_op(
-    "linear_int8_a8_avx2",
-    "W8A8: ``linear_int8_avx2`` with x quantized per block of 32 "
-    "(``hal.quant.quantize_activations``), int8 dot products.",
-)
-linear_int4_a8_avx2 = _int4_op(
-    "linear_int4_a8_avx2",
-    "W4A8: ``linear_int4_avx2`` with x quantized per block of 32 "
-    "(``hal.quant.quantize_activations``), int8 dot products.",
-)
-
-
-def int8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
-    return linear_int8_avx2(x, w.qweight, w.scale)
-
-
-def int4_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
-    return linear_int4_avx2(x, w.qweight, w.scale, w.group_size)
-
-
-def int8_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
-    return linear_int8_a8_avx2(x, w.qweight, w.scale)
-
-
-def int4_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
-    return linear_int4_a8_avx2(x, w.qweight, w.scale, w.group_size)
-
-
-# -- torch's own weight-only kernels, offered so that the plan's trials measure them --------
-
-
-def _torch_op_available(*names: str) -> None:
-    missing = [n for n in names if not hasattr(torch, n)]
-    if missing:
-        raise KernelUnavailable(
-            f"this torch ({torch.__version__}) has no {', '.join(missing)}: use the avx2 or "
-            "dequant kernel"
-        )
-
-
-def _rows_2d(fn, x: Tensor, k: int) -> Tensor:
-    y = fn(x.reshape(-1, k).contiguous())
-    return y.view(*x.shape[:-1], y.shape[-1])
-
-
-TORCH_INT8_K = 8  # torch's int8 kernel reads K in steps of 8: a tail gives wrong sums or a crash
-
-
-def int8_torch(x: Tensor, w: QuantizedWeight) -> Tensor:
-    """``torch._weight_int8pack_mm``: hal.quant's int8 layout is already its own (K padded
-    with zeros to a multiple of 8, the weight's once)."""
-    pad = -w.in_features % TORCH_INT8_K
-    qweight = (
-        w.form("torch-int8-padded", lambda w: F.pad(w.qweight, (0, pad))) if pad else w.qweight
-    )
-
-    def call(rows: Tensor) -> Tensor:
-        return torch._weight_int8pack_mm(F.pad(rows, (0, pad)) if pad else rows, qweight, w.scale)
-
-    return _rows_2d(call, x, w.in_features)
-
-
-TORCH_INT4_N = 16  # torch's int4 packing takes N in multiples of 16
-
-
-def torch_int4pack(w: QuantizedWeight) -> tuple[Tensor, Tensor]:
-    """``w`` as ``torch._weight_int4pack_mm_for_cpu`` takes it: the packed ``u = q + 8``
-    (int32 ``[N, K]`` handed to ``torch._convert_weight_to_int4pack_for_cpu``), and scales
-    and zeros ``[K / group, N, 2]`` with zero 0 (torch dequantizes ``(u - 8) * scale +
-    zero``). N is padded to a multiple of 16 with zero weights."""
-    pad = -w.shape[0] % TORCH_INT4_N
-    u = F.pad(w.integers().to(torch.int32) + 8, (0, 0, 0, pad), value=8)
-    scale = F.pad(w.scale, (0, 0, 0, pad))
-    packed = torch._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
-    scales_and_zeros = torch.stack((scale, torch.zeros_like(scale)), dim=-1)
-    return packed, scales_and_zeros.transpose(0, 1).contiguous()
-
-
-def int4_torch(x: Tensor, w: QuantizedWeight) -> Tensor:
-    packed, scales_and_zeros = w.form("torch-int4pack", torch_int4pack)
-    n, group = w.shape[0], w.group_size
-
-    def call(rows: Tensor) -> Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(rows, packed, group, scales_and_zeros)
-        return y if y.shape[-1] == n else y[:, :n].contiguous()
-
-    return _rows_2d(call, x, w.in_features)
-
-
 @torch.library.custom_op("rlt_cpu::paged_attention", mutates_args=())
 def paged_attention(
     query: Tensor,
@@ -431,70 +255,6 @@ KERNELS = (
         check=avx512bf16_available,
         version=VERSION,
         description="csrc/linear_avx512bf16.c: vdpbf16ps dot products",
-    ),
-    Kernel(
-        "linear",
-        "int8-avx2",
-        int8_avx2,
-        row_invariant=True,
-        column_invariant=True,
-        scheme="int8",
-        check=_loaded,
-        version=VERSION,
-        description="csrc/linear_quant_avx2.c: int8 widened in registers, fp32 FMA sums, scaled",
-    ),
-    Kernel(
-        "linear",
-        "int4-avx2",
-        int4_avx2,
-        row_invariant=True,
-        column_invariant=True,
-        scheme="int4",
-        check=_loaded,
-        version=VERSION,
-        description="csrc/linear_quant_avx2.c: int4 dequantized exactly in registers, fp32 FMA",
-    ),
-    Kernel(
-        "linear",
-        "int8-a8-avx2",
-        int8_a8_avx2,
-        row_invariant=True,
-        column_invariant=True,
-        scheme="int8",
-        activations="int8",
-        check=_loaded,
-        version=VERSION,
-        description="csrc/linear_a8_avx2.c: W8A8, x quantized per 32, int8 dot products",
-    ),
-    Kernel(
-        "linear",
-        "int4-a8-avx2",
-        int4_a8_avx2,
-        row_invariant=True,
-        column_invariant=True,
-        scheme="int4",
-        activations="int8",
-        check=_loaded,
-        version=VERSION,
-        description="csrc/linear_a8_avx2.c: W4A8, x quantized per 32, int8 dot products",
-    ),
-    Kernel(
-        "linear",
-        "int8-torch",
-        int8_torch,
-        scheme="int8",
-        check=lambda: _torch_op_available("_weight_int8pack_mm"),
-        description="torch._weight_int8pack_mm",
-    ),
-    Kernel(
-        "linear",
-        "int4-torch",
-        int4_torch,
-        scheme="int4",
-        check=lambda: _torch_op_available(
-            "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"
-        ),
-        description="torch._weight_int4pack_mm_for_cpu on its own packing (made once a weight)",
     ),
     Kernel(
         "rms_norm",
