@@ -224,6 +224,12 @@ class Driver:
         """The driver's step graphs (``hal.graphs``), or None where it has none (cpu)."""
         return None
 
+    @property
+    def offers_step_graphs(self) -> bool:
+        """Whether the driver has step graphs, asked without starting its device: a driver
+        that has them overrides :meth:`step_graphs`."""
+        return type(self).step_graphs is not Driver.step_graphs
+
     def kernels_for(self, op: str, scheme: str | None = "bf16") -> tuple[Kernel, ...]:
         """Every kernel offered for ``op`` taking weights in ``scheme`` (None: any), torch's
         first."""

@@ -60,7 +60,10 @@ class LoopKernels:
     silu_mul: Callable  # silu(gate) * up on separate tensors, as HF calls it (not stacked)
     add_rms_norm: Callable  # (rows, x, residual, weight, eps) -> (normed, residual + x)
     rotary: Callable  # (q [N, Hq, d], k [N, Hkv, d], cos [N, d], sin [N, d]) -> (q', k')
-    static_decode: bool  # a decode-only step attends in its static form (hal.graphs)
+    # A decode-only step attends in its static form (hal.graphs), so that its bits do not
+    # depend on whether it was replayed: the fast plan, where the driver offers step graphs
+    # (on cpu, which has none, the backend's own decode attention is faster).
+    static_decode: bool
 
     @classmethod
     def from_plan(cls, plan: ExecutionPlan, driver: Driver) -> LoopKernels:
@@ -85,7 +88,7 @@ class LoopKernels:
             silu_mul=silu_mul,
             add_rms_norm=add_rms_norm,
             rotary=rotary,
-            static_decode=bool(fused),
+            static_decode=bool(fused) and driver.offers_step_graphs,
         )
 
     def bind(self, prompt_rows: int) -> RowOps:
