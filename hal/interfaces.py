@@ -145,6 +145,9 @@ class AttentionBackend(abc.ABC):
     # True when deterministic mode was measured to cost next to nothing on this backend, so
     # the runtime turns it on unless told otherwise (see docs/determinism.md).
     deterministic_by_default: ClassVar[bool] = False
+    # True when the deterministic form is also the backend's fastest, so that ``--mode fast``
+    # (which keeps no bits) runs it too.
+    deterministic_is_fastest: ClassVar[bool] = False
     # True when ``forward`` also takes a ``hal.graphs.StaticDecodeMetadata`` (static shapes,
     # no host reads): the decode step can then be captured as a step graph.
     step_graphs: ClassVar[bool] = False

@@ -246,3 +246,30 @@ def test_fast_mode_takes_the_fastest_projection_kernel_timed_at_start_up(
     llm = LLM(tiny_ckpt, mode="fast", **options)
     assert {c.kernel for _, c in (*llm.plan.prompt, *llm.plan.generated)} == {"torch"}
     assert any(m.kernel == "double" for m in llm.plan.measurements)
+
+
+def test_fast_mode_on_cpu_attends_with_the_drivers_kernel_and_hf_exact_does_not(
+    tiny_ckpt, monkeypatch
+):
+    """The cpu backend's deterministic kernel is also its fastest attention
+    (``deterministic_is_fastest``), so fast mode, which keeps no bits, runs it on every step,
+    decode steps included: the cpu has no step graphs, so no static (graph) form either.
+    HF-exact mode attends in HF's order through torch."""
+    from drivers.cpu import driver as cpu_driver
+
+    calls = []
+    kernel = cpu_driver.kernels.paged_attention
+
+    def counted(query, *rest):
+        calls.append(query.shape[-2])  # the call's rows
+        return kernel(query, *rest)
+
+    monkeypatch.setattr(cpu_driver.kernels, "paged_attention", counted)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = prompt_of(9, seed=3)
+    for mode, want in (("fast", True), ("hf-exact", False)):
+        calls.clear()
+        llm = LLM(tiny_ckpt, device="cpu", block_size=16, num_blocks=16, mode=mode)
+        assert llm.engine.model.attend_deterministic is want
+        llm.generate([prompt], params)
+        assert (1 in calls) is want, f"{mode}: rows of the kernel's calls {sorted(set(calls))}"

@@ -101,6 +101,12 @@ class OuroModel:
         self.plan = plan
         self.weight_bytes = weight_bytes(weights)  # as loaded: quantized ones packed
         self.backend = driver.backend(plan.attention)
+        # Attention in the backend's deterministic form: the mode's guarantee, or in fast mode
+        # where that form is the backend's fastest (AttentionBackend.deterministic_is_fastest).
+        b = self.backend
+        self.attend_deterministic = plan.deterministic or (
+            plan.mode == "fast" and b.supports_deterministic and b.deterministic_is_fastest
+        )
         self.kv = kv
         self.kernels = LoopKernels.from_plan(plan, driver)
         self.embed = weights["model.embed_tokens.weight"]
@@ -155,7 +161,7 @@ class OuroModel:
         self.backend.write_kv(self.kv, plane, k, v.view(n, kv_heads, d), meta)
         o = self.backend.forward(  # [N, Hq * d]
             q.transpose(0, 1)[None], plane, self.kv, meta, self.scaling,
-            deterministic=self.plan.deterministic,
+            deterministic=self.attend_deterministic,
         )  # fmt: skip
         self._record(t, li, attention=o)
         return rows("o_proj", o, w.o)

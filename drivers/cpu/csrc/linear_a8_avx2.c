@@ -7,8 +7,9 @@
  * w is hal/quant.py's layout: int8 [N, K] with bf16 scale [N], or int4 nibbles [N, K / 2]
  * with bf16 scale [N, K / group] (group a multiple of 32).
  *
- * y[m, n]: for each block b in order, the block's integer dot product (exact, int32: the
- * sign trick with vpmaddubsw / vpmaddwd) converted to fp32 and added with one FMA times its
+ * y[m, n]: for each block b in order, the block's integer dot product (exact, int32 lanes:
+ * int8 with the sign trick and vpmaddubsw / vpmaddwd, int4 on the unsigned nibbles less 8
+ * times the sum of x, the same lanes) converted to fp32 and added with one FMA times its
  * scale (int8: d[m, b]; int4: d[m, b] * scale[n, group of b]) into an 8-lane accumulator;
  * then a fixed horizontal sum, an int8 K tail (scalar), the int8 channel scale, bf16
  * rounding. The same sequence for every (m, n) wherever the row falls: row- and
@@ -51,20 +52,93 @@ INLINE __m256i dot32(__m256i ax, __m256i xq, __m256i wq) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-/* 32 int4 weights (16 bytes) as signed bytes in input order. */
-INLINE __m256i load_i4x32(const uint8_t *p) {
+/* 32 int4 weights (16 bytes) as unsigned nibbles u = q + 8 in input order (one 128-bit
+ * load: a lane-crossing 256-bit shuffle costs 8 micro-ops on AMD Zen 1). */
+INLINE __m256i load_u4x32(const uint8_t *p) {
     __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
-    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-    return _mm256_sub_epi8(u, _mm256_set1_epi8(8));
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
 
-/* nr adjacent weight rows against mb quantized input rows (xq, their absolute values xa,
- * their block scales d: ldq inputs and ldq / QB scales a row). int4 when group > 0. */
-INLINE void rows(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
-                 const uint8_t *w, const uint16_t *scale, int nr, int K, int group, uint16_t *y,
-                 int ldy) {
-    int nblk = K / QB, ldd = ldq / QB, srow = group ? K / group : 1;
-    size_t wblk = group ? QB / 2 : QB, wrow = nblk * wblk + (group ? 0 : K % QB);
+/* The scales of blocks b .. b + 7 (b a multiple of 8) of one int4 weight row as fp32: lane t
+ * is the scale of block b + t. */
+INLINE __m256 scales8(const uint16_t *s, int b, int group) {
+    const uint16_t *p = s + b * QB / group;
+    __m128i h;
+    __m256i idx;
+    if (group == 32) {
+        h = _mm_loadu_si128((const __m128i *)p);
+        idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    } else if (group == 64) {
+        h = _mm_loadl_epi64((const __m128i *)p);
+        idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    } else { /* 128 */
+        uint32_t two;
+        memcpy(&two, p, 4);
+        h = _mm_cvtsi32_si128((int)two);
+        idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    }
+    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_permutevar8x32_ps(v, idx);
+}
+
+/* int4: nr adjacent weight rows against mb quantized input rows (xq, xs8 and d: see
+ * linear_a8). The int32 lanes of dot32 on q = u - 8 and the same fp32 steps, in fewer
+ * instructions: the nibbles stay unsigned (vpmaddubsw takes
+ * them as its unsigned operand, no sign trick) and 8 * (the lane's sum of x) comes off each
+ * int32 lane (xs8, per input row and block), which gives exactly the lanes of sum (u - 8) x;
+ * two blocks unpacked from one 32-byte load; the scale products d[m, b] * scale[n, group of b]
+ * (the same fp32 products) made eight blocks at a time. */
+INLINE void rows4(const int8_t *xq, const int32_t *xs8, const float *d, int ldq, int mb,
+                  const uint8_t *w, const uint16_t *scale, int nr, int K, int group, uint16_t *y,
+                  int ldy) {
+    int nblk = K / QB, ldd = ldq / QB, srow = K / group, wrow = K / 2;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[NR][MB];
+    float c[NR][MB][8] __attribute__((aligned(32)));
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < MB; j++) acc[i][j] = _mm256_setzero_ps();
+#define STEP(u, bb, t)                                                                          \
+    for (int j = 0; j < mb; j++) {                                                              \
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * ldq + (bb) * QB));   \
+        __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones);                       \
+        l = _mm256_sub_epi32(l, _mm256_loadu_si256((const __m256i *)(xs8 +                      \
+                                                   ((size_t)j * ldd + (bb)) * 8)));             \
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), _mm256_broadcast_ss(&c[i][j][t]),   \
+                                    acc[i][j]);                                                 \
+    }
+    int b = 0;
+    for (; b + 8 <= nblk; b += 8) {
+        for (int i = 0; i < nr; i++) {
+            __m256 s8 = scales8(scale + (size_t)i * srow, b, group);
+            for (int j = 0; j < mb; j++)
+                _mm256_store_ps(c[i][j], _mm256_mul_ps(_mm256_loadu_ps(d + (size_t)j * ldd + b), s8));
+        }
+        for (int t = 0; t < 8; t += 2)
+            for (int i = 0; i < nr; i++) {
+                const uint8_t *wi = w + (size_t)i * wrow + (b + t) * (QB / 2);
+                if (t % 4 == 0) _mm_prefetch((const char *)wi + PREFETCH, _MM_HINT_T0);
+                __m256i u0 = load_u4x32(wi), u1 = load_u4x32(wi + QB / 2);
+                STEP(u0, b + t, t)
+                STEP(u1, b + t + 1, t + 1)
+            }
+    }
+    for (; b < nblk; b++) /* the last blocks, one at a time */
+        for (int i = 0; i < nr; i++) {
+            float s = bf16_to_f32(scale[(size_t)i * srow + b * QB / group]);
+            for (int j = 0; j < mb; j++) c[i][j][0] = d[(size_t)j * ldd + b] * s;
+            __m256i u = load_u4x32(w + (size_t)i * wrow + b * (QB / 2));
+            STEP(u, b, 0)
+        }
+#undef STEP
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < mb; j++) y[(size_t)j * ldy + i] = f32_to_bf16(hsum(acc[i][j]));
+}
+
+/* int8: nr adjacent weight rows against mb quantized input rows (xq, their absolute values
+ * xa, their block scales d: ldq inputs and ldq / QB scales a row). */
+INLINE void rows8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
+                  const int8_t *w, const uint16_t *scale, int nr, int K, uint16_t *y, int ldy) {
+    int nblk = K / QB, ldd = ldq / QB;
     __m256 acc[NR][MB];
     for (int i = 0; i < NR; i++)
         for (int j = 0; j < MB; j++) acc[i][j] = _mm256_setzero_ps();
@@ -75,52 +149,55 @@ INLINE void rows(const int8_t *xq, const int8_t *xa, const float *d, int ldq, in
             av[j] = _mm256_loadu_si256((const __m256i *)(xa + (size_t)j * ldq + b * QB));
         }
         for (int i = 0; i < nr; i++) {
-            const uint8_t *wi = w + i * wrow + b * wblk;
+            const int8_t *wi = w + (size_t)i * K + b * QB;
             /* A prefetch ahead of the hardware's: one request per cache line. */
-            if ((b * wblk) % 64 == 0) _mm_prefetch((const char *)wi + PREFETCH, _MM_HINT_T0);
-            __m256i wv;
-            float s = 1.0f;
-            if (group) {
-                wv = load_i4x32(wi);
-                s = bf16_to_f32(scale[(size_t)i * srow + b * QB / group]);
-            } else {
-                wv = _mm256_loadu_si256((const __m256i *)wi);
-            }
+            if (b % 2 == 0) _mm_prefetch((const char *)wi + PREFETCH, _MM_HINT_T0);
+            __m256i wv = _mm256_loadu_si256((const __m256i *)wi);
             for (int j = 0; j < mb; j++) {
                 __m256 sum = _mm256_cvtepi32_ps(dot32(av[j], xv[j], wv));
-                float c = group ? d[(size_t)j * ldd + b] * s : d[(size_t)j * ldd + b];
-                acc[i][j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(c), acc[i][j]);
+                acc[i][j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[(size_t)j * ldd + b]), acc[i][j]);
             }
         }
     }
     for (int i = 0; i < nr; i++)
         for (int j = 0; j < mb; j++) {
             float t = hsum(acc[i][j]);
-            if (!group) {
-                const int8_t *wi = (const int8_t *)w + i * wrow, *xj = xq + (size_t)j * ldq;
-                int tail = 0;
-                for (int k = nblk * QB; k < K; k++) tail += xj[k] * wi[k];
-                if (nblk * QB < K) t += (float)tail * d[(size_t)j * ldd + nblk];
-                t *= bf16_to_f32(scale[i]);
-            }
-            y[(size_t)j * ldy + i] = f32_to_bf16(t);
+            const int8_t *wi = w + (size_t)i * K, *xj = xq + (size_t)j * ldq;
+            int tail = 0;
+            for (int k = nblk * QB; k < K; k++) tail += xj[k] * wi[k];
+            if (nblk * QB < K) t += (float)tail * d[(size_t)j * ldd + nblk];
+            y[(size_t)j * ldy + i] = f32_to_bf16(t * bf16_to_f32(scale[i]));
         }
 }
 
 static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, uint16_t *y, int M,
                      int N, int K, int group) {
     int blocks = (K + QB - 1) / QB, ldq = blocks * QB;
-    int8_t *xq = malloc((size_t)2 * M * ldq);
+    /* Scratch: xq, then |xq| (int8) or 8 * the lane sums of xq (int4), and the scales d. */
+    size_t side = group ? (size_t)M * blocks * 8 * sizeof(int32_t) : (size_t)M * ldq;
+    int8_t *xq = malloc((size_t)M * ldq + side);
     float *d = malloc((size_t)M * blocks * sizeof(float));
     if (!xq || !d) {
         free(xq);
         free(d);
         return -1;
     }
-    int8_t *xa = xq + (size_t)M * ldq;
+    int8_t *xa = xq + (size_t)M * ldq;      /* int8 */
+    int32_t *xs8 = (int32_t *)(void *)xa; /* int4 (ldq is a multiple of 32: aligned enough) */
     for (int m = 0; m < M; m++) {
-        quantize_row(x + (size_t)m * K, K, xq + (size_t)m * ldq, d + (size_t)m * blocks);
-        for (int k = 0; k < ldq; k++) xa[(size_t)m * ldq + k] = (int8_t)abs(xq[(size_t)m * ldq + k]);
+        int8_t *q = xq + (size_t)m * ldq;
+        quantize_row(x + (size_t)m * K, K, q, d + (size_t)m * blocks);
+        for (int b = 0; b < blocks; b++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * QB));
+            if (group) {
+                __m256i sums = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+                _mm256_storeu_si256((__m256i *)(xs8 + ((size_t)m * blocks + b) * 8),
+                                    _mm256_slli_epi32(sums, 3));
+            } else {
+                _mm256_storeu_si256((__m256i *)(xa + (size_t)m * ldq + b * QB), _mm256_abs_epi8(v));
+            }
+        }
     }
     size_t wrow = group ? (size_t)K / 2 : (size_t)K;
     size_t srow = group ? (size_t)(K / group) : 1;
@@ -137,11 +214,14 @@ static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, ui
         for (int j0 = 0; j0 < M; j0 += MB) {
             int mb = M - j0 < MB ? M - j0 : MB;
             const int8_t *xb = xq + (size_t)j0 * ldq, *ab = xa + (size_t)j0 * ldq;
+            const int32_t *sb = xs8 + (size_t)j0 * blocks * 8;
             const float *db = d + (size_t)j0 * blocks;
             uint16_t *yb = y + (size_t)j0 * N + n;
             /* Constant block sizes keep the accumulators in registers; the arithmetic per
              * (m, n) is the same in every branch. */
-#define ROWS(NB_, MB_) rows(xb, ab, db, ldq, MB_, wn, sn, NB_, K, group, yb, N)
+#define ROWS(NB_, MB_)                                                                          \
+    (group ? rows4(xb, sb, db, ldq, MB_, wn, sn, NB_, K, group, yb, N)                          \
+           : rows8(xb, ab, db, ldq, MB_, (const int8_t *)wn, sn, NB_, K, yb, N))
             if (nr == NR && mb == MB) ROWS(NR, MB);
             else if (nr == NR && mb == 1) ROWS(NR, 1);
             else if (nr == NR) ROWS(NR, mb);
