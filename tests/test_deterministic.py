@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
-from tests.conftest import PARITY_CONFIGS
+from tests.conftest import PARITY_CONFIGS, skip_wide_on_emulation
 from tests.helpers import prompt_of
 
 CONFIGS = sorted(PARITY_CONFIGS)  # every parity config, two of them at Ouro-1.4B width
@@ -28,6 +28,7 @@ def _llm(ckpt, driver_name, **kw):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_chunk_size_gives_the_bits_of_full_prefill(checkpoints, driver_name, name):
+    skip_wide_on_emulation(name, driver_name)
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
     prompts = [prompt_of(260, seed=1), prompt_of(23, seed=2)]  # 260 > the largest chunk
     llm = _llm(ckpt, driver_name)
@@ -44,6 +45,7 @@ def test_every_chunk_size_gives_the_bits_of_full_prefill(checkpoints, driver_nam
 def test_requests_joining_and_leaving_a_batch_get_the_bits_they_get_alone(
     checkpoints, driver_name, name
 ):
+    skip_wide_on_emulation(name, driver_name)
     ckpt = checkpoints(name, seed=1, **PARITY_CONFIGS[name])
     jobs = [
         (
