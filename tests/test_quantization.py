@@ -29,7 +29,7 @@ from hal.quant import (
 from runtime_glue.checks.reference import OuroReference
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
-from runtime_glue.ouro.quantize import dequantized, weight_bytes
+from runtime_glue.ouro.quantize import dequantized, expected_weight_bytes, weight_bytes
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 
@@ -294,6 +294,29 @@ def test_a_memory_budget_gives_the_kv_pool_what_the_smaller_weights_leave(tiny_c
         LLM(tiny_ckpt, memory_budget=budget, num_blocks=4)
     with pytest.raises(ValueError, match="does not hold the weights"):
         LLM(tiny_ckpt, memory_budget=1000)
+
+
+@pytest.mark.parametrize(
+    "scheme, lm_head", [(None, False), ("int8", False), ("int8", True), ("int4", False), ("int4", True)]
+)  # fmt: skip
+def test_a_budget_the_weights_do_not_fit_is_refused_before_any_weight_loads(
+    tiny_ckpt, tiny_config, monkeypatch, scheme, lm_head
+):
+    """config.json alone gives the bytes the loaded (and quantized) weights take, exactly."""
+    q = dict(quantization=scheme, quantization_group_size=64, quantize_lm_head=lm_head)
+    if scheme is None:
+        q = {}
+    need = expected_weight_bytes(tiny_config, scheme, 64, lm_head)
+    llm = LLM(tiny_ckpt, block_size=16, num_blocks=4, **q)
+    assert weight_bytes(llm.weights) == need
+    import runtime_glue.engine.llm as llm_module
+
+    def no_loading(*args, **kw):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(llm_module, "load_weights", no_loading)
+    with pytest.raises(ValueError, match=f"does not hold the weights \\({need} bytes"):
+        LLM(tiny_ckpt, block_size=16, memory_budget=need, **q)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -25,7 +25,7 @@ from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
-from runtime_glue.ouro.quantize import quantize_weights, weight_bytes
+from runtime_glue.ouro.quantize import expected_weight_bytes, quantize_weights, weight_bytes
 from runtime_glue.ouro.resolve import record_note, resolve
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,20 @@ class LLM:
         self.driver = registry.create(args.device, **(driver_options or {}))
         self.driver.device.initialize()
         self._check(args.attention_backend)  # an unknown backend or a refused option fails
-        # before the weights load
+        # before the weights load, and so does a memory budget they would not fit in
+        if args.memory_budget is not None:
+            need = expected_weight_bytes(
+                self.config,
+                args.quantization,
+                args.quantization_group_size,
+                args.quantize_lm_head,
+            )
+            if args.memory_budget <= need:
+                raise ValueError(
+                    f"memory_budget {args.memory_budget} bytes does not hold the weights "
+                    f"({need} bytes in {args.quantization or 'bf16'}, from config.json; nothing "
+                    "was loaded)"
+                )
         weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
         cfg = self.config
         if args.quantization is not None:

@@ -13,6 +13,7 @@ quantized model is the reference run on its dequantized weights (``hal.quant``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -20,7 +21,7 @@ import torch
 
 from hal.interfaces import Device
 from hal.quant import QuantizedWeight, check_scheme, describe, quantize
-from runtime_glue.ouro.checkpoint import STACKED
+from runtime_glue.ouro.checkpoint import STACKED, expected_tensors
 from runtime_glue.ouro.config import OuroConfig
 
 LONE = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -89,6 +90,28 @@ def quantize_weights(
     for name, (stacked, start, stop) in members.items():
         out[name] = out[stacked].rows(start, stop)
     return out
+
+
+def expected_weight_bytes(
+    cfg: OuroConfig, scheme: str | None = None, group_size: int = 32, lm_head: bool = False
+) -> int:
+    """What :func:`weight_bytes` will count once the weights are loaded (and quantized in
+    ``scheme``), from config.json alone: ``--memory-budget`` is checked before a weight is
+    read. bf16 tensors 2 bytes an element; a quantized projection its packed weight (int8: one
+    byte an element, int4: half) and its bf16 scales (int8: one a row, int4: one a group)."""
+    projections = {m for members in STACKED.values() for m in members} | set(LONE)
+    total = 0
+    for name, shape in expected_tensors(cfg).items():
+        quantized = name.split(".", 3)[-1] in projections or (lm_head and name == "lm_head.weight")
+        if scheme is None or not quantized:
+            total += 2 * math.prod(shape)
+            continue
+        rows, k = shape
+        if scheme == "int8":
+            total += rows * k + 2 * rows
+        else:
+            total += rows * k // 2 + 2 * rows * (k // group_size)
+    return total
 
 
 _ALIGN = 64  # bytes between tensors in the buffer
