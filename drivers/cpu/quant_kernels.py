@@ -189,52 +189,40 @@ def int4_torch(x: Tensor, w: QuantizedWeight) -> Tensor:
     return _rows_2d(call, x, w.in_features)
 
 
+def _own(name: str, fn, scheme: str, description: str, activations: str = "bf16") -> Kernel:
+    """One of the driver's own C kernels: row- and column-invariant by construction."""
+    return Kernel(
+        "linear", name, fn, row_invariant=True, column_invariant=True, scheme=scheme,
+        activations=activations, check=_loaded, version=VERSION, description=description,
+    )  # fmt: skip
+
+
 KERNELS = (
-    Kernel(
-        "linear",
+    _own(
         "int8-avx2",
         int8_avx2,
-        row_invariant=True,
-        column_invariant=True,
-        scheme="int8",
-        check=_loaded,
-        version=VERSION,
-        description="csrc/linear_quant_avx2.c: int8 widened in registers, fp32 FMA sums, scaled",
+        "int8",
+        "csrc/linear_quant_avx2.c: int8 widened in registers, fp32 FMA sums, scaled",
     ),
-    Kernel(
-        "linear",
+    _own(
         "int4-avx2",
         int4_avx2,
-        row_invariant=True,
-        column_invariant=True,
-        scheme="int4",
-        check=_loaded,
-        version=VERSION,
-        description="csrc/linear_quant_avx2.c: int4 dequantized exactly in registers, fp32 FMA",
+        "int4",
+        "csrc/linear_quant_avx2.c: int4 dequantized exactly in registers, fp32 FMA",
     ),
-    Kernel(
-        "linear",
+    _own(
         "int8-a8-avx2",
         int8_a8_avx2,
-        row_invariant=True,
-        column_invariant=True,
-        scheme="int8",
-        activations="int8",
-        check=_loaded,
-        version=VERSION,
-        description="csrc/linear_a8_avx2.c: W8A8, x quantized per 32, int8 dot products",
+        "int8",
+        "csrc/linear_a8_avx2.c: W8A8, x quantized per 32, int8 dot products",
+        "int8",
     ),
-    Kernel(
-        "linear",
+    _own(
         "int4-a8-avx2",
         int4_a8_avx2,
-        row_invariant=True,
-        column_invariant=True,
-        scheme="int4",
-        activations="int8",
-        check=_loaded,
-        version=VERSION,
-        description="csrc/linear_a8_avx2.c: W4A8, x quantized per 32, int8 dot products",
+        "int4",
+        "csrc/linear_a8_avx2.c: W4A8, x quantized per 32, int8 dot products",
+        "int8",
     ),
     Kernel(
         "linear",

@@ -86,7 +86,7 @@ INLINE __m256 scales8(const uint16_t *s, int b, int group) {
  * instructions: the nibbles stay unsigned (vpmaddubsw takes
  * them as its unsigned operand, no sign trick) and 8 * (the lane's sum of x) comes off each
  * int32 lane (xs8, per input row and block), which gives exactly the lanes of sum (u - 8) x;
- * two blocks unpacked from one 32-byte load; the scale products d[m, b] * scale[n, group of b]
+ * the scale products d[m, b] * scale[n, group of b]
  * (the same fp32 products) made eight blocks at a time. */
 INLINE void rows4(const int8_t *xq, const int32_t *xs8, const float *d, int ldq, int mb,
                   const uint8_t *w, const uint16_t *scale, int nr, int K, int group, uint16_t *y,
@@ -134,40 +134,32 @@ INLINE void rows4(const int8_t *xq, const int32_t *xs8, const float *d, int ldq,
         for (int j = 0; j < mb; j++) y[(size_t)j * ldy + i] = f32_to_bf16(hsum(acc[i][j]));
 }
 
-/* int8: nr adjacent weight rows against mb quantized input rows (xq, their absolute values
- * xa, their block scales d: ldq inputs and ldq / QB scales a row). */
-INLINE void rows8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
-                  const int8_t *w, const uint16_t *scale, int nr, int K, uint16_t *y, int ldy) {
+/* int8: one weight row against mb quantized input rows (xq, their absolute values xa, their
+ * block scales d: ldq inputs and ldq / QB scales a row). */
+INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
+                 const int8_t *w, const uint16_t *scale, int K, uint16_t *y, int ldy) {
     int nblk = K / QB, ldd = ldq / QB;
-    __m256 acc[NR][MB];
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < MB; j++) acc[i][j] = _mm256_setzero_ps();
+    __m256 acc[MB];
+    for (int j = 0; j < MB; j++) acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nblk; b++) {
-        __m256i xv[MB], av[MB];
+        /* A prefetch ahead of the hardware's: one request per cache line. */
+        if (b % 2 == 0) _mm_prefetch((const char *)(w + b * QB) + PREFETCH, _MM_HINT_T0);
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QB));
         for (int j = 0; j < mb; j++) {
-            xv[j] = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * ldq + b * QB));
-            av[j] = _mm256_loadu_si256((const __m256i *)(xa + (size_t)j * ldq + b * QB));
-        }
-        for (int i = 0; i < nr; i++) {
-            const int8_t *wi = w + (size_t)i * K + b * QB;
-            /* A prefetch ahead of the hardware's: one request per cache line. */
-            if (b % 2 == 0) _mm_prefetch((const char *)wi + PREFETCH, _MM_HINT_T0);
-            __m256i wv = _mm256_loadu_si256((const __m256i *)wi);
-            for (int j = 0; j < mb; j++) {
-                __m256 sum = _mm256_cvtepi32_ps(dot32(av[j], xv[j], wv));
-                acc[i][j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[(size_t)j * ldd + b]), acc[i][j]);
-            }
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * ldq + b * QB));
+            __m256i av = _mm256_loadu_si256((const __m256i *)(xa + (size_t)j * ldq + b * QB));
+            __m256 sum = _mm256_cvtepi32_ps(dot32(av, xv, wv));
+            acc[j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[(size_t)j * ldd + b]), acc[j]);
         }
     }
-    for (int i = 0; i < nr; i++)
-        for (int j = 0; j < mb; j++) {
-            float t = hsum(acc[i][j]);
-            const int8_t *wi = w + (size_t)i * K, *xj = xq + (size_t)j * ldq;
-            int tail = 0;
-            for (int k = nblk * QB; k < K; k++) tail += xj[k] * wi[k];
-            if (nblk * QB < K) t += (float)tail * d[(size_t)j * ldd + nblk];
-            y[(size_t)j * ldy + i] = f32_to_bf16(t * bf16_to_f32(scale[i]));
-        }
+    for (int j = 0; j < mb; j++) {
+        float t = hsum(acc[j]);
+        const int8_t *xj = xq + (size_t)j * ldq;
+        int tail = 0;
+        for (int k = nblk * QB; k < K; k++) tail += xj[k] * w[k];
+        if (nblk * QB < K) t += (float)tail * d[(size_t)j * ldd + nblk];
+        y[(size_t)j * ldy] = f32_to_bf16(t * bf16_to_f32(scale[0]));
+    }
 }
 
 static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, uint16_t *y, int M,
@@ -219,16 +211,18 @@ static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, ui
             uint16_t *yb = y + (size_t)j0 * N + n;
             /* Constant block sizes keep the accumulators in registers; the arithmetic per
              * (m, n) is the same in every branch. */
-#define ROWS(NB_, MB_)                                                                          \
-    (group ? rows4(xb, sb, db, ldq, MB_, wn, sn, NB_, K, group, yb, N)                          \
-           : rows8(xb, ab, db, ldq, MB_, (const int8_t *)wn, sn, NB_, K, yb, N))
-            if (nr == NR && mb == MB) ROWS(NR, MB);
-            else if (nr == NR && mb == 1) ROWS(NR, 1);
-            else if (nr == NR) ROWS(NR, mb);
-            else if (mb == MB) ROWS(1, MB);
-            else if (mb == 1) ROWS(1, 1);
-            else ROWS(1, mb);
-#undef ROWS
+            if (!group) {
+                const int8_t *wr = (const int8_t *)wn;
+                if (mb == MB) row8(xb, ab, db, ldq, MB, wr, sn, K, yb, N);
+                else if (mb == 1) row8(xb, ab, db, ldq, 1, wr, sn, K, yb, N);
+                else row8(xb, ab, db, ldq, mb, wr, sn, K, yb, N);
+            } else if (nr == NR) {
+                if (mb == MB) rows4(xb, sb, db, ldq, MB, wn, sn, NR, K, group, yb, N);
+                else if (mb == 1) rows4(xb, sb, db, ldq, 1, wn, sn, NR, K, group, yb, N);
+                else rows4(xb, sb, db, ldq, mb, wn, sn, NR, K, group, yb, N);
+            } else {
+                rows4(xb, sb, db, ldq, mb, wn, sn, 1, K, group, yb, N);
+            }
         }
     }
     free(xq);
