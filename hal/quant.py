@@ -2,8 +2,9 @@
 
 A projection weight ``w [N, K]`` (bf16) becomes a :class:`QuantizedWeight`:
 
-- ``int8``: symmetric, one scale per output channel. ``qweight`` int8 ``[N, K]`` in
-  ``[-127, 127]``, ``scale`` bf16 ``[N]`` (``bf16(amax / 127)``). Value ``q * scale``.
+- ``int8``: symmetric, one scale per output channel. ``qweight`` int8 ``[N, K]`` (the whole
+  range: rlt-hal's own quantization gives ``[-127, 127]``, ``bf16(amax / 127)``; checkpoints
+  quantized elsewhere may hold -128), ``scale`` bf16 ``[N]``. Value ``q * scale``.
 - ``int4``: symmetric, one scale per ``group_size`` (32, 64 or 128) inputs of a channel, as
   llama.cpp's Q4_0: the group's largest-magnitude weight ``m`` maps to -8 (``scale =
   bf16(m / -8)``), ``q = clamp(round(w / scale), -8, 7)``. ``qweight`` uint8 ``[N, K // 2]``
@@ -146,9 +147,9 @@ def from_integers(
     q: torch.Tensor, scale: torch.Tensor, scheme: str, group_size: int | None = None
 ) -> QuantizedWeight:
     """A weight with the given values ``q`` (``[N, K]``, integers in the scheme's range:
-    [-127, 127] or [-8, 7]) and scales, packed in the canonical layout."""
+    [-128, 127] or [-8, 7]) and scales, packed in the canonical layout."""
     n, k = q.shape
-    lo, hi = (-127, 127) if scheme == "int8" else (-8, 7)
+    lo, hi = (-128, 127) if scheme == "int8" else (-8, 7)
     if q.numel() and not (lo <= int(q.min()) and int(q.max()) <= hi):
         raise ValueError(f"{scheme} values must lie in [{lo}, {hi}] (kernels rely on it)")
     if scheme == "int8":

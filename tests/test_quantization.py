@@ -29,7 +29,12 @@ from hal.quant import (
 from runtime_glue.checks.reference import OuroReference
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
-from runtime_glue.ouro.quantize import dequantized, expected_weight_bytes, weight_bytes
+from runtime_glue.ouro.quantize import (
+    checkpoint_tensors,
+    dequantized,
+    expected_weight_bytes,
+    weight_bytes,
+)
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 
@@ -87,7 +92,8 @@ def test_quantized_projections_take_their_bytes_and_the_kept_tensors_their_own_m
     storages = {p.untyped_storage().data_ptr() for p in parts}
     assert len(storages) == 1  # one buffer from Device.alloc_weights, as the loader's
     assert parts[0].untyped_storage().nbytes() < weight_bytes(plain.weights)
-    quantized = dequantized(int8.weights)  # the checkpoint tensors quantized
+    own = checkpoint_tensors(int8.weights)
+    quantized = [n for n, w in own.items() if isinstance(w, QuantizedWeight)]
     projections = sum(plain.weights[name].nbytes for name in quantized)
     saved = weight_bytes(plain.weights) - weight_bytes(int8.weights)
     assert projections / 2 * 0.9 < saved <= projections / 2

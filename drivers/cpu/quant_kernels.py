@@ -47,22 +47,42 @@ def _quant_linear(name: str, x: Tensor, qweight: Tensor, scale: Tensor, n: int, 
     return out.view(*x.shape[:-1], n)
 
 
+def _int8_operands(name: str, x: Tensor, qweight: Tensor, scale: Tensor) -> tuple[int, int]:
+    _quant_operands(name, x, qweight, torch.int8, scale)
+    n, k = qweight.shape
+    if scale.shape != (n,) or x.shape[-1] != k:
+        raise ValueError(
+            f"{name}: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and "
+            f"scale {list(scale.shape)} do not match (scale [N], x [..., K])"
+        )
+    return n, k
+
+
 def _int8_op(name: str, doc: str):
     """A custom op ``rlt_cpu::NAME(x, qweight, scale)`` on hal.quant's int8 layout."""
 
     def op(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
-        _quant_operands(name, x, qweight, torch.int8, scale)
-        n, k = qweight.shape
-        if scale.shape != (n,) or x.shape[-1] != k:
-            raise ValueError(
-                f"{name}: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and "
-                f"scale {list(scale.shape)} do not match (scale [N], x [..., K])"
-            )
-        return _quant_linear(name, x, qweight, scale, n, k)
+        return _quant_linear(name, x, qweight, scale, *_int8_operands(name, x, qweight, scale))
 
     op.__doc__ = doc
     custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
     custom.register_fake(lambda x, qweight, scale: x.new_empty(*x.shape[:-1], qweight.shape[0]))
+    return custom
+
+
+def _int8_a8_op(name: str, doc: str):
+    """``rlt_cpu::NAME(x, qweight, scale, full)``: ``_int8_op``'s, told whether the weight
+    holds -128 (``full``: a slower form that is exact there)."""
+
+    def op(x: Tensor, qweight: Tensor, scale: Tensor, full: bool) -> Tensor:
+        n, k = _int8_operands(name, x, qweight, scale)
+        return _quant_linear(name, x, qweight, scale, n, k, int(full))
+
+    op.__doc__ = doc
+    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
+    custom.register_fake(
+        lambda x, qweight, scale, full: x.new_empty(*x.shape[:-1], qweight.shape[0])
+    )
     return custom
 
 
@@ -100,10 +120,10 @@ linear_int4_avx2 = _int4_op(
     "``x @ dequant(qweight).T``: x ``[..., K]`` bf16, qweight uint8 ``[N, K / 2]`` and scale "
     "bf16 ``[N, K / group]`` in hal.quant's int4 layout; fp32 sums, AVX2 + FMA.",
 )
-linear_int8_a8_avx2 = _int8_op(
+linear_int8_a8_avx2 = _int8_a8_op(
     "linear_int8_a8_avx2",
     "W8A8: ``linear_int8_avx2`` with x quantized per block of 32 "
-    "(``hal.quant.quantize_activations``), int8 dot products.",
+    "(``hal.quant.quantize_activations``), int8 dot products; ``full``: qweight may hold -128.",
 )
 linear_int4_a8_avx2 = _int4_op(
     "linear_int4_a8_avx2",
@@ -121,7 +141,8 @@ def int4_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
 
 
 def int8_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
-    return linear_int8_a8_avx2(x, w.qweight, w.scale)
+    full = w.form("int8-holds-min", lambda w: bool((w.qweight == -128).any()))
+    return linear_int8_a8_avx2(x, w.qweight, w.scale, full)
 
 
 def int4_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:

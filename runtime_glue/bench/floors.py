@@ -56,7 +56,7 @@ def _big_weight(nbytes: int, scheme: str, device: torch.device, k: int = 2048):
     per_row = k if scheme == "int8" else k // 2
     n = nbytes // per_row
     groups = 1 if scheme == "int8" else k // 32
-    if scheme == "int8":  # hal.quant's range, [-127, 127]
+    if scheme == "int8":  # the range rlt-hal's own quantization gives, [-127, 127]
         q = torch.randint(-127, 128, (n, per_row), dtype=torch.int8, device=device)
     else:
         q = torch.randint(0, 256, (n, per_row), dtype=torch.uint8, device=device)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from runtime_glue.cli.parser import Parser
 from runtime_glue.cli.prompts import add_prompt_args, prompt_of_args
@@ -103,6 +104,35 @@ def _trained_checkpoint(args: argparse.Namespace) -> int:
     shutil.copytree(cached, args.dir, dirs_exist_ok=True)
     print(f"wrote the trained Ouro checkpoint to {args.dir} (trained once, cached at {cached})")
     print(training_summary(args.dir))
+    return 0
+
+
+QUANTIZE_SCHEMES = {"w8a16": "int8", "w4a16": "int4"}
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """A bf16 checkpoint quantized by rlt-hal, written in compressed-tensors' format."""
+    from hal.registry import default_registry
+    from runtime_glue.ouro.checkpoint import load_weights
+    from runtime_glue.ouro.compressed import write
+    from runtime_glue.ouro.config import OuroConfig
+    from runtime_glue.ouro.quantize import check_quantization, quantize_weights
+
+    src, dst = Path(args.src), Path(args.dst)
+    cfg = OuroConfig.from_dir(src)
+    scheme = QUANTIZE_SCHEMES[args.scheme]
+    why = check_quantization(cfg, scheme, args.group_size)
+    if why is not None:
+        raise ValueError(why)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"{dst}: exists and is not empty; rlt-hal quantize writes a new directory")
+    device = default_registry().create("cpu").device
+    weights = quantize_weights(
+        load_weights(src, cfg, device), cfg, scheme, args.group_size, args.lm_head, device
+    )
+    write(src, dst, weights, scheme, args.group_size)
+    what = "int8, one scale per channel" if scheme == "int8" else f"int4, group {args.group_size}"
+    print(f"wrote {args.scheme.upper()} ({what}) in compressed-tensors' format to {dst}")
     return 0
 
 
@@ -221,6 +251,27 @@ def _add_toy_checkpoint(sub) -> None:
     p.set_defaults(func=cmd_toy_checkpoint)
 
 
+def _add_quantize(sub) -> None:
+    p = sub.add_parser(
+        "quantize",
+        help="quantize a bf16 checkpoint and write it in compressed-tensors' format (as "
+        "llm-compressor does; vLLM and rlt-hal load it)",
+    )
+    p.add_argument("src", help="the bf16 checkpoint's directory")
+    p.add_argument("dst", help="the directory to write (new, or empty)")
+    p.add_argument(
+        "--scheme",
+        required=True,
+        choices=list(QUANTIZE_SCHEMES),
+        help="w8a16: int8 weights, one scale per output channel; w4a16: int4, one per group",
+    )
+    p.add_argument(
+        "--group-size", type=int, default=128, help="inputs per int4 scale: 32, 64 or 128"
+    )
+    p.add_argument("--lm-head", action="store_true", help="quantize lm_head too")
+    p.set_defaults(func=cmd_quantize)
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate for one prompt")
     EngineArgs.add_cli_args(p)
@@ -264,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_drivers(sub)
     _add_toy_checkpoint(sub)
+    _add_quantize(sub)
     _add_generate(sub)
     _add_plan(sub)
     _add_serve(sub)

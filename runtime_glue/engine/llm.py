@@ -22,6 +22,8 @@ from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.speculative import SpeculativeConfig
 from runtime_glue.engine.tokenizer import load_tokenizer
 from runtime_glue.ouro.checkpoint import load_weights
+from runtime_glue.ouro.compressed import CheckpointQuantization, read_quantization
+from runtime_glue.ouro.compressed import load as load_compressed
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
@@ -56,6 +58,25 @@ class CompletionOutput:
     logprobs: tuple[dict, ...] | None = None
     prompt_logprobs: tuple[dict | None, ...] | None = None
     index: int = 0  # which of the prompt's n samples
+
+
+def with_stored_quantization(args: EngineArgs, stored: CheckpointQuantization) -> EngineArgs:
+    """``args`` for a checkpoint quantized elsewhere: its scheme as ``--quantization``."""
+    if args.quantization not in (None, stored.scheme):
+        raise ValueError(
+            f"--quantization {args.quantization}: the checkpoint is already quantized "
+            f"({stored.describe()}); leave --quantization out to run it as stored"
+        )
+    if args.quantize_lm_head and not stored.lm_head:
+        raise ValueError(
+            f"--quantize-lm-head: the checkpoint ({stored.describe()}) keeps lm_head in bf16"
+        )
+    return attrs.evolve(
+        args,
+        quantization=stored.scheme,
+        quantization_group_size=stored.group_size or args.quantization_group_size,
+        quantize_lm_head=stored.lm_head,
+    )
 
 
 def pool_blocks(
@@ -117,9 +138,14 @@ class LLM:
         if args.dtype != "bfloat16":
             raise ValueError(f"dtype must be 'bfloat16' (the first scope), got {args.dtype!r}")
         check_block_size(args.block_size)
-        self.args = args
-        self.model_dir = args.model_dir()
-        self.config = OuroConfig.from_dir(self.model_dir)
+        model_dir = args.model_dir()
+        self.config = OuroConfig.from_dir(model_dir)
+        # A checkpoint quantized elsewhere (compressed-tensors) runs as if its scheme had
+        # been asked for: every check and refusal of --quantization applies to it.
+        stored = read_quantization(model_dir, self.config)
+        if stored is not None:
+            args = with_stored_quantization(args, stored)
+        self.args, self.model_dir, self.stored_quantization = args, model_dir, stored
         self.tokenizer = load_tokenizer(self.model_dir)
         registry = registry or default_registry()
         self.driver = registry.create(args.device, **(driver_options or {}))
@@ -139,9 +165,12 @@ class LLM:
                     f"({need} bytes in {args.quantization or 'bf16'}, from config.json; nothing "
                     "was loaded)"
                 )
-        weights = load_weights(self.model_dir, self.config, self.driver.device, progress=progress)
         cfg = self.config
-        if args.quantization is not None:
+        if stored is not None:
+            weights = load_compressed(self.model_dir, cfg, stored, self.driver.device, progress)
+        else:
+            weights = load_weights(self.model_dir, cfg, self.driver.device, progress=progress)
+        if stored is None and args.quantization is not None:
             weights = quantize_weights(
                 weights,
                 cfg,

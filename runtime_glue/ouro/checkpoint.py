@@ -150,9 +150,19 @@ def index_checkpoint(model_dir: str | Path) -> dict[str, TensorEntry]:
     return entries
 
 
-def validate(entries: dict[str, TensorEntry], cfg: OuroConfig, model_dir: str | Path) -> None:
-    expected = expected_tensors(cfg)
-    want_dtype = {v: k for k, v in _DTYPE_NAMES.items()}[cfg.torch_dtype]
+def validate(
+    entries: dict[str, TensorEntry],
+    cfg: OuroConfig,
+    model_dir: str | Path,
+    tensors: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] | None = None,
+) -> None:
+    """Every tensor present, none extra, each of its shape and dtype: ``tensors`` maps a name
+    to its shape and the safetensors dtypes it may have (default: ``expected_tensors`` in
+    config.json's dtype)."""
+    if tensors is None:
+        want = {v: k for k, v in _DTYPE_NAMES.items()}[cfg.torch_dtype]
+        tensors = {name: (shape, (want,)) for name, shape in expected_tensors(cfg).items()}
+    expected = {name: shape for name, (shape, _) in tensors.items()}
     missing = [n for n in expected if n not in entries]
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -173,10 +183,15 @@ def validate(entries: dict[str, TensorEntry], cfg: OuroConfig, model_dir: str | 
                 f"{e.file}: tensor {name!r} has shape {list(e.shape)}, "
                 f"config.json implies {list(shape)}"
             )
-        if e.dtype != want_dtype:
+        dtypes = tensors[name][1]
+        if e.dtype not in dtypes:
             raise CheckpointError(
                 f"{e.file}: tensor {name!r} has dtype {e.dtype}, expected "
-                f"{want_dtype} ({cfg.torch_dtype})"
+                + (
+                    f"{dtypes[0]} ({cfg.torch_dtype})"
+                    if dtypes == ("BF16",)
+                    else " or ".join(dtypes)
+                )
             )
 
 
@@ -204,6 +219,26 @@ def _groups(entries: dict[str, TensorEntry], cfg: OuroConfig) -> dict[str, list[
             stacked.update(groups[p + name])
     groups.update({name: [name] for name in entries if name not in stacked})
     return groups
+
+
+_TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+
+
+def read_tensor(entry: TensorEntry) -> torch.Tensor:
+    """One tensor, read into a new host tensor."""
+    out = torch.empty(entry.shape, dtype=_TORCH_DTYPES[entry.dtype])
+    with entry.file.open("rb", buffering=0) as f:
+        _read_into(f, entry, out)
+    return out
 
 
 def _read_into(f, entry: TensorEntry, dest: torch.Tensor) -> None:

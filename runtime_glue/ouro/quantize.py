@@ -68,28 +68,53 @@ def quantize_weights(
     """``weights`` (``checkpoint.load_weights``) with the projections in ``scheme``, every
     tensor (packed weights, scales, the bf16 ones kept) in one buffer from
     ``device.alloc_weights`` (aligned, huge pages on cpu), as the loader places bf16 weights."""
-    owners: dict[str, Any] = {}  # quantized projections (stacked ones once) and kept tensors
+    projections = {m for members in STACKED.values() for m in members} | set(LONE)
+
+    def quantized(name: str) -> bool:
+        return name.split(".", 3)[-1] in projections or (lm_head and name == "lm_head.weight")
+
+    own = checkpoint_tensors(weights)
+    return place(
+        {n: quantize(w, scheme, group_size) if quantized(n) else w for n, w in own.items()},
+        cfg,
+        device,
+    )
+
+
+def place(weights: dict[str, Any], cfg: OuroConfig, device: Device | None) -> dict[str, Any]:
+    """A checkpoint's tensors (bf16 or ``QuantizedWeight``, wherever they are) copied into one
+    buffer from ``device.alloc_weights``, each layer's stacked projection (``STACKED``) once
+    with its members as row slices of it, so a column-invariant kernel still makes one call
+    for q|k|v (a quantization is per row: stacking the members' is quantizing the stack)."""
+    owners: dict[str, Any] = {}
     members: dict[str, tuple[str, int, int]] = {}  # a stacked member: (its stack, rows)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         for stacked, names in STACKED.items():
-            owners[p + stacked] = quantize(weights[p + stacked], scheme, group_size)
+            parts = [weights[p + m] for m in names]
+            owners[p + stacked] = _stack(parts)
             start = 0
-            for member in names:
-                rows = weights[p + member].shape[0]
-                members[p + member] = (p + stacked, start, start + rows)
-                start += rows
-        for name in LONE:
-            owners[p + name] = quantize(weights[p + name], scheme, group_size)
-    if lm_head:
-        owners["lm_head.weight"] = quantize(weights["lm_head.weight"], scheme, group_size)
-    for name, w in weights.items():
-        if name not in owners and name not in members:
-            owners[name] = w  # kept bf16
+            for member, part in zip(names, parts, strict=True):
+                members[p + member] = (p + stacked, start, start + part.shape[0])
+                start += part.shape[0]
+    owners.update({n: w for n, w in weights.items() if n not in members})
     out = _in_one_buffer(owners, device)
     for name, (stacked, start, stop) in members.items():
-        out[name] = out[stacked].rows(start, stop)
+        w = out[stacked]
+        out[name] = w.rows(start, stop) if isinstance(w, QuantizedWeight) else w[start:stop]
     return out
+
+
+def _stack(parts: list[Any]) -> Any:
+    """Row-wise concatenation of tensors, or of quantized weights of one scheme and group."""
+    if not isinstance(parts[0], QuantizedWeight):
+        return torch.cat(parts)
+    return attrs.evolve(
+        parts[0],
+        qweight=torch.cat([w.qweight for w in parts]),
+        scale=torch.cat([w.scale for w in parts]),
+        forms={},
+    )
 
 
 def expected_weight_bytes(
@@ -145,21 +170,22 @@ def _in_one_buffer(tensors: dict[str, Any], device: Device | None) -> dict[str, 
     return out
 
 
-def _checkpoint_tensors(weights: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_tensors(weights: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's own tensors: the stacked views (``checkpoint.STACKED``) left out."""
     return {n: w for n, w in weights.items() if n.split(".", 3)[-1] not in STACKED}
 
 
 def dequantized(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Each quantized checkpoint tensor, dequantized to bf16."""
-    own = _checkpoint_tensors(weights).items()
-    return {name: w.dequantize() for name, w in own if isinstance(w, QuantizedWeight)}
+    """Every checkpoint tensor in bf16, the quantized ones dequantized: the weights the HF
+    reference takes (a checkpoint quantized elsewhere holds no bf16 projections to read)."""
+    own = checkpoint_tensors(weights).items()
+    return {n: w.dequantize() if isinstance(w, QuantizedWeight) else w for n, w in own}
 
 
 def weight_bytes(weights: dict[str, Any]) -> int:
     """The bytes the model's weights take (a stacked projection counted once, by its
     members)."""
-    return sum(w.nbytes for w in _checkpoint_tensors(weights).values())
+    return sum(w.nbytes for w in checkpoint_tensors(weights).values())
 
 
 def weights_label(weights: dict, activations: bool = False) -> str:

@@ -29,9 +29,9 @@ int rlt_linear_int4_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *sc
                          int M, int N, int K, int group);
 
 /* The same with x quantized per block of 32 (llama.cpp's Q8_0 activations) and int8 dot
- * products: W8A8 and W4A8 (see linear_a8_avx2.c). */
+ * products: W8A8 and W4A8 (see linear_a8_avx2.c). full: the int8 weight may hold -128. */
 int rlt_linear_int8_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
-                            int M, int N, int K);
+                            int M, int N, int K, int full);
 int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
                             int M, int N, int K, int group);
 

@@ -1,0 +1,376 @@
+"""Quantized checkpoints made elsewhere: compressed-tensors, llm-compressor's format (vLLM reads
+it when ``config.json``'s ``quantization_config.quant_method`` is ``"compressed-tensors"``).
+
+Read straight into ``hal.quant``'s layout, one tensor at a time (no bf16 copy of the model):
+
+- ``pack-quantized``: a Linear module ``M``'s ``M.weight_packed`` (int32 ``[N, K * bits /
+  32]``: value ``j`` of a row in bits ``bits * (j % (32 / bits))`` of word ``j // (32 /
+  bits)``, stored as ``q + 2^(bits - 1)``), ``M.weight_scale`` (``[N, 1]`` one per channel or
+  ``[N, K / group]``), ``M.weight_shape`` (int64 ``[N, K]``);
+- ``naive-quantized``: ``M.weight`` holds ``q`` as int8, with the same ``M.weight_scale``.
+
+The value of a weight is ``q * scale``, as compressed-tensors dequantizes it (the product of an
+integer and a bf16 scale, rounded once to bf16), which is what ``hal.quant``'s reference kernel
+computes: a checkpoint loaded here runs, in HF-exact mode, the weights
+``compressed_tensors`` decompresses. :func:`write` makes such checkpoints from rlt-hal's own
+quantization (``rlt-hal quantize``).
+
+Supported: integer weights of 8 bits (one scale per output channel) and 4 bits (one per
+channel or per group of 32, 64, 128 or a multiple of 128: the kernels take the scale per
+group of 128, repeated, so every value stays the same), symmetric, activations in bf16 (W8A16,
+W4A16). Everything else is refused by name before a weight loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from safetensors.torch import save_file
+
+from hal.interfaces import Device
+from hal.quant import GROUP_SIZES, QuantizedWeight, from_integers
+from runtime_glue.ouro.checkpoint import (
+    CheckpointError,
+    TensorEntry,
+    expected_tensors,
+    index_checkpoint,
+    read_tensor,
+    validate,
+)
+from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.quantize import checkpoint_tensors, place
+
+METHOD = "compressed-tensors"
+FORMATS = ("pack-quantized", "naive-quantized")
+SCHEME_OF_BITS = {8: "int8", 4: "int4"}
+WHAT_WORKS = (
+    "rlt-hal loads compressed-tensors W8A16 (int8, one scale per channel) and W4A16 (int4, "
+    "per channel or per group) checkpoints with symmetric weights, or quantizes a bf16 "
+    "checkpoint at load (--quantization int8|int4)"
+)
+
+
+@attrs.frozen
+class CheckpointQuantization:
+    """What a quantized checkpoint's config.json says, in ``hal.quant``'s terms."""
+
+    format: str  # "pack-quantized" or "naive-quantized"
+    scheme: str  # "int8" or "int4"
+    group_size: int | None  # the int4 kernels' group: 32, 64 or 128 (int8: None)
+    stored_group: int | None  # the checkpoint's (None: one scale per output channel)
+    lm_head: bool  # lm_head is quantized too
+    gate: bool  # the exit gate is quantized (dequantized at load: it is bf16 in rlt-hal)
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.scheme == "int8" else 4
+
+    def describe(self) -> str:
+        """e.g. "compressed-tensors W4A16 (pack-quantized, group 128)"."""
+        per = "channel" if self.stored_group is None else f"group {self.stored_group}"
+        return f"{METHOD} W{self.bits}A16 ({self.format}, {per})"
+
+
+def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuantization | None:
+    """The checkpoint's quantization (None for a bf16 checkpoint), from config.json alone; a
+    scheme rlt-hal does not run is a one-line error naming it, the file and what works."""
+    path = Path(model_dir) / "config.json"
+    qc = json.loads(path.read_text()).get("quantization_config")
+    if not qc:
+        return None
+
+    def refuse(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}; {WHAT_WORKS}")
+
+    method = qc.get("quant_method")
+    if method != METHOD:
+        raise refuse(f"quantization_config.quant_method {method!r} is not supported")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise refuse(
+            f"quantization_config has {len(groups)} config_groups; rlt-hal loads one scheme "
+            "for every projection"
+        )
+    ((name, group),) = groups.items()
+    fmt = group.get("format") or qc.get("format")
+    if fmt not in FORMATS:
+        raise refuse(f"format {fmt!r} (config group {name!r}) is not supported")
+    if group.get("input_activations"):
+        raise refuse(
+            f"config group {name!r} quantizes activations in the checkpoint (W8A8); load its "
+            "weights only (a W8A16 checkpoint) and add --quantize-activations"
+        )
+    w = group.get("weights") or {}
+    kind, bits, strategy = w.get("type", "int"), w.get("num_bits"), w.get("strategy")
+    if kind != "int" or bits not in SCHEME_OF_BITS:
+        raise refuse(f"{kind} weights of {bits} bits (config group {name!r}) are not supported")
+    if not w.get("symmetric", True):
+        raise refuse(f"asymmetric weights (zero points, config group {name!r}) are not supported")
+    if w.get("actorder") not in (None, "static"):
+        raise refuse(
+            f"activation ordering (actorder {w['actorder']!r}, config group {name!r}: its g_idx "
+            "permutes the groups) is not supported"
+        )
+    if w.get("dynamic"):
+        raise refuse(f"dynamic weight quantization (config group {name!r}) is not supported")
+    scheme = SCHEME_OF_BITS[bits]
+    widths = (cfg.hidden_size, cfg.intermediate_size)
+    kernel_group: int | None = None
+    if strategy == "channel":
+        stored = None
+        if scheme == "int4":
+            kernel_group = _kernel_group(None, widths)
+    elif strategy == "group" and scheme == "int4":
+        stored = int(w.get("group_size") or 0)
+        kernel_group = _kernel_group(stored, widths)
+    else:
+        raise refuse(
+            f"{bits}-bit weights with strategy {strategy!r} (config group {name!r}) are not "
+            "supported"
+        )
+    if scheme == "int4" and kernel_group is None:
+        raise refuse(
+            f"int4 with {'one scale per channel' if stored is None else f'group size {stored}'} "
+            f"on input widths {widths}: the int4 kernels need groups of 32, 64 or 128 dividing "
+            "them"
+        )
+    targets, ignore = group.get("targets") or [], qc.get("ignore") or []
+    flags = {m: _matches(m, targets) and not _matches(m, ignore) for m in linear_modules(cfg)}
+    projections = [m for m in flags if m.startswith("model.layers.")]
+    plain = [m for m in projections if not flags[m]]
+    if plain:
+        raise refuse(
+            f"the projection {plain[0]!r} is not quantized"
+            + (" where others are" if len(plain) < len(projections) else "")
+            + ": rlt-hal runs every layer's projections in the checkpoint's scheme"
+        )
+    return CheckpointQuantization(
+        fmt, scheme, kernel_group, stored, flags["lm_head"], flags["model.early_exit_gate"]
+    )
+
+
+def _kernel_group(stored: int | None, widths: tuple[int, ...]) -> int | None:
+    """The int4 kernels' group for a checkpoint's (None: one scale per channel): the largest
+    group they run that divides every input width and the checkpoint's own, which must be it
+    or a multiple of 128 (the scales then repeat: the same values); None if there is none."""
+    if stored is not None and (stored < 1 or any(k % stored for k in widths)):
+        return None
+    for g in sorted(GROUP_SIZES, reverse=True):
+        if any(k % g for k in widths):
+            continue
+        if stored is None or stored == g or (stored % g == 0 and g == max(GROUP_SIZES)):
+            return g
+    return None
+
+
+def linear_modules(cfg: OuroConfig) -> list[str]:
+    """Every nn.Linear of an Ouro model, by module name (the projections first)."""
+    names = [n for n in expected_tensors(cfg) if n.startswith("model.layers.")]
+    projections = [n[: -len(".weight")] for n in names if n.endswith("_proj.weight")]
+    return projections + ["lm_head", "model.early_exit_gate"]
+
+
+def _matches(module: str, patterns: list[str]) -> bool:
+    """compressed-tensors' (and vLLM's) target matching: "re:<regex>" against the module's
+    name, else the name itself or its class ("Linear")."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], module):
+                return True
+        elif p in (module, "Linear"):
+            return True
+    return False
+
+
+def expected(cfg: OuroConfig, cq: CheckpointQuantization) -> dict[str, tuple[tuple, tuple]]:
+    """Name -> (shape, allowed safetensors dtypes) of every tensor the checkpoint holds."""
+    out: dict[str, tuple[tuple, tuple]] = {}
+    for name, shape in expected_tensors(cfg).items():
+        module = name.rsplit(".", 1)[0]
+        if not name.endswith(".weight") or not _quantized(module, cq):
+            out[name] = (shape, ("BF16",))
+            continue
+        n, k = shape
+        scales = 1 if cq.stored_group is None else k // cq.stored_group
+        out[module + ".weight_scale"] = ((n, scales), ("BF16", "F16", "F32"))
+        if cq.format == "naive-quantized":
+            out[name] = ((n, k), ("I8",))
+        else:
+            out[module + ".weight_packed"] = ((n, -(-k * cq.bits // 32)), ("I32",))
+            out[module + ".weight_shape"] = ((2,), ("I64", "I32"))
+    return out
+
+
+def _quantized(module: str, cq: CheckpointQuantization) -> bool:
+    if module == "lm_head":
+        return cq.lm_head
+    if module == "model.early_exit_gate":
+        return cq.gate
+    return module.endswith("_proj")
+
+
+def unpack(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """``weight_packed`` (int32 ``[N, words]``) to the signed values ``q`` (int8 ``[N, k]``)."""
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int32) * bits
+    u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [N, words, per]
+    return (u.flatten(1)[:, :k] - (1 << (bits - 1))).to(torch.int8)
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed values ``q`` (``[N, K]``) as compressed-tensors' ``weight_packed``."""
+    per = 32 // bits
+    n, k = q.shape
+    u = (q.to(torch.int64) + (1 << (bits - 1))).view(n, -1)
+    u = torch.nn.functional.pad(u, (0, -k % per)).view(n, -1, per)
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    words = (u << shifts).sum(dim=-1)  # in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def load(
+    model_dir: str | Path,
+    cfg: OuroConfig,
+    cq: CheckpointQuantization,
+    device: Device,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The checkpoint's weights as ``quantize.quantize_weights`` gives them for the same
+    scheme: quantized projections (stacked ones once, members as row slices), lm_head if
+    quantized, everything else bf16, in one buffer from ``device.alloc_weights``."""
+    entries = index_checkpoint(model_dir)
+    validate(entries, cfg, model_dir, expected(cfg, cq))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(expected_tensors(cfg)), desc="loading weights", unit="tensor")
+    weights: dict[str, Any] = {}
+    for name, shape in expected_tensors(cfg).items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and _quantized(module, cq):
+            w = _quantized_weight(entries, module, shape, cq)
+            weights[name] = w.dequantize() if module == "model.early_exit_gate" else w
+        else:
+            weights[name] = read_tensor(entries[name])
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    return place(weights, cfg, device)
+
+
+def _quantized_weight(
+    entries: dict[str, TensorEntry], module: str, shape: tuple, cq: CheckpointQuantization
+) -> QuantizedWeight:
+    n, k = shape
+    scale_entry = entries[module + ".weight_scale"]
+    scale = read_tensor(scale_entry)
+    if not torch.equal(scale.bfloat16().to(scale.dtype), scale):
+        raise CheckpointError(
+            f"{scale_entry.file}: tensor {scale_entry.name!r} holds scales that bf16 cannot "
+            "hold exactly; rlt-hal's kernels take bf16 scales"
+        )
+    if cq.format == "naive-quantized":
+        q = read_tensor(entries[module + ".weight"])
+        lo, hi = -(1 << (cq.bits - 1)), (1 << (cq.bits - 1)) - 1
+        if cq.bits == 4 and not (lo <= int(q.min()) and int(q.max()) <= hi):
+            e = entries[module + ".weight"]
+            raise CheckpointError(f"{e.file}: tensor {e.name!r} holds values outside [{lo}, {hi}]")
+    else:
+        shape_entry = entries[module + ".weight_shape"]
+        stored = [int(v) for v in read_tensor(shape_entry)]
+        if stored != [n, k]:
+            raise CheckpointError(
+                f"{shape_entry.file}: tensor {shape_entry.name!r} says {stored}, config.json "
+                f"implies {[n, k]}"
+            )
+        q = unpack(read_tensor(entries[module + ".weight_packed"]), cq.bits, k)
+    scale = scale.bfloat16()
+    if cq.scheme == "int8":
+        return from_integers(q, scale[:, 0], "int8")
+    # Per channel or per a multiple of the kernels' group: each scale repeated.
+    assert cq.group_size is not None  # int4 has one
+    scale = scale.repeat_interleave(k // cq.group_size // scale.shape[1], dim=1)
+    return from_integers(q, scale, "int4", cq.group_size)
+
+
+def quantization_config(scheme: str, group_size: int, lm_head: bool = False) -> dict[str, Any]:
+    """config.json's ``quantization_config`` for weights quantized by ``hal.quant`` (int8: one
+    scale per channel; int4: per group), as llm-compressor writes it for W8A16 / W4A16."""
+    bits = 8 if scheme == "int8" else 4
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "channel" if scheme == "int8" else "group",
+        "group_size": None if scheme == "int8" else group_size,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "block_structure": None,
+    }
+    return {
+        "quant_method": METHOD,
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": ["model.early_exit_gate"] + ([] if lm_head else ["lm_head"]),
+        "kv_cache_scheme": None,
+    }
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def write(
+    src: str | Path, dst: str | Path, weights: dict[str, Any], scheme: str, group_size: int
+) -> Path:
+    """A compressed-tensors checkpoint (pack-quantized) in ``dst`` of ``weights`` (as
+    ``quantize.quantize_weights`` gave them) beside ``src``'s config.json and tokenizer."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    head = False
+    for name, w in checkpoint_tensors(weights).items():
+        if not isinstance(w, QuantizedWeight):
+            out[name] = w.contiguous()
+            continue
+        module = name[: -len(".weight")]
+        head = head or module == "lm_head"
+        bits = 8 if w.scheme == "int8" else 4
+        n, k = w.shape
+        out[module + ".weight_packed"] = pack(w.integers(), bits)
+        out[module + ".weight_scale"] = w.scale.view(n, -1).contiguous()
+        out[module + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(src) / "config.json").read_text())
+    config["quantization_config"] = quantization_config(scheme, group_size, head)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in TOKENIZER_FILES:
+        if (Path(src) / f).is_file():
+            shutil.copy2(Path(src) / f, dst / f)
+    return dst
