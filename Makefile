@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # without CANN by make test-torch-npu).
 TORCH_NPU_PIN ?= torch-npu==2.13.0
 
-.PHONY: setup test test-floors test-torch-npu test-ray test-clients lint run serve clean
+.PHONY: setup test test-floors test-torch-npu test-ray test-clients test-compressed lint run serve clean
 
 $(STAMP): pyproject.toml examples/rlt-hal-acme/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -93,6 +93,18 @@ test-clients: $(STAMP)
 	$(CLIENTS_VENV)/bin/python -m pip install -q -e ".[test,clients]"
 	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_clients.py
 
+# Quantized checkpoints proved by the tools that own their format: llm-compressor's oneshot
+# writes W8A16 / W4A16 Ouro checkpoints that rlt-hal loads, and compressed-tensors decompresses
+# what rlt-hal quantize writes (tests/test_compressed_tools.py). A venv of its own with the
+# compressed extra: llm-compressor pins a transformers older than the main venv's.
+COMPRESSED_VENV := .venv-compressed
+
+test-compressed: $(STAMP)
+	test -x $(COMPRESSED_VENV)/bin/python || $(PYTHON) -m venv $(COMPRESSED_VENV)
+	$(COMPRESSED_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(COMPRESSED_VENV)/bin/python -m pip install -q -e ".[test,compressed]"
+	$(COMPRESSED_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_compressed_tools.py
+
 # The main job: the OpenAI-compatible server on the embedded default (a small random Ouro
 # checkpoint) at http://127.0.0.1:8000/v1. `make run` generates once without a server.
 serve: $(STAMP)
@@ -102,4 +114,4 @@ run: $(STAMP)
 	$(BIN)/rlt-hal run
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(TORCH_NPU_VENV) $(RAY_VENV) $(CLIENTS_VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(FLOOR_VENV) $(TORCH_NPU_VENV) $(RAY_VENV) $(CLIENTS_VENV) $(COMPRESSED_VENV) .pytest_cache .ruff_cache .mypy_cache

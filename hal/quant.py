@@ -5,6 +5,9 @@ A projection weight ``w [N, K]`` (bf16) becomes a :class:`QuantizedWeight`:
 - ``int8``: symmetric, one scale per output channel. ``qweight`` int8 ``[N, K]`` (the whole
   range: rlt-hal's own quantization gives ``[-127, 127]``, ``bf16(amax / 127)``; checkpoints
   quantized elsewhere may hold -128), ``scale`` bf16 ``[N]``. Value ``q * scale``.
+- ``int8g``: int8 with one scale per ``group_size`` (32, 64 or 128) inputs of a channel, as
+  llm-compressor's W8A16 writes it: ``qweight`` int8 ``[N, K]``, ``scale`` bf16 ``[N, K //
+  group_size]`` (``bf16(amax / 127)`` of each group). Value ``q * scale``.
 - ``int4``: symmetric, one scale per ``group_size`` (32, 64 or 128) inputs of a channel, as
   llama.cpp's Q4_0: the group's largest-magnitude weight ``m`` maps to -8 (``scale =
   bf16(m / -8)``), ``q = clamp(round(w / scale), -8, 7)``. ``qweight`` uint8 ``[N, K // 2]``
@@ -36,7 +39,8 @@ import torch.nn.functional as F
 
 from hal.kernels import Kernel, _big_columns, adversarial_rows
 
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int8g", "int4")
+GROUPED = ("int8g", "int4")  # one scale per group_size inputs
 GROUP_SIZES = (32, 64, 128)
 INT4_CHUNK = 32  # inputs per 16 packed bytes
 
@@ -44,9 +48,9 @@ INT4_CHUNK = 32  # inputs per 16 packed bytes
 def check_scheme(scheme: str, group_size: int | None = None) -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
-    if scheme == "int4" and group_size not in GROUP_SIZES:
+    if scheme in GROUPED and group_size not in GROUP_SIZES:
         raise ValueError(
-            f"int4 quantization's group size must be one of {GROUP_SIZES}, got {group_size!r}"
+            f"{scheme} quantization's group size must be one of {GROUP_SIZES}, got {group_size!r}"
         )
 
 
@@ -93,7 +97,7 @@ class QuantizedWeight:
 
     def integers(self) -> torch.Tensor:
         """The quantized values ``q`` as int8 ``[N, K]``."""
-        if self.scheme == "int8":
+        if self.scheme != "int4":
             return self.qweight
         n = self.qweight.shape[0]
         packed = self.qweight.view(n, -1, INT4_CHUNK // 2)
@@ -123,12 +127,18 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> Qua
     """``w [N, K]`` (bf16) in ``scheme``, on ``w``'s device, computed in fp32."""
     check_scheme(scheme, group_size)
     n, k = w.shape
-    if scheme == "int8":
-        amax = w.float().abs().amax(dim=1)
-        scale = (amax / 127).bfloat16()
+    if scheme != "int4":
+        size = k if scheme == "int8" else group_size
+        assert size is not None  # check_scheme: int8g has one
+        if k % size:
+            raise ValueError(
+                f"int8g with group size {size} needs the input width {k} to be a multiple"
+            )
+        wg = w.float().view(n, k // size, size)
+        scale = (wg.abs().amax(dim=2) / 127).bfloat16()
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        q = torch.round(w.float() / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        return QuantizedWeight("int8", q, scale, k, k)
+        q = torch.round(wg / scale.float()[..., None]).clamp_(-127, 127).view(n, k)
+        return from_integers(q, scale if scheme == "int8g" else scale[:, 0], scheme, size)
     assert group_size is not None
     if k % group_size or k % INT4_CHUNK:
         raise ValueError(
@@ -149,13 +159,20 @@ def from_integers(
     """A weight with the given values ``q`` (``[N, K]``, integers in the scheme's range:
     [-128, 127] or [-8, 7]) and scales, packed in the canonical layout."""
     n, k = q.shape
-    lo, hi = (-128, 127) if scheme == "int8" else (-8, 7)
+    lo, hi = (-8, 7) if scheme == "int4" else (-128, 127)
     if q.numel() and not (lo <= int(q.min()) and int(q.max()) <= hi):
         raise ValueError(f"{scheme} values must lie in [{lo}, {hi}] (kernels rely on it)")
     if scheme == "int8":
         return QuantizedWeight("int8", q.to(torch.int8).contiguous(), scale.bfloat16(), k, k)
     check_scheme(scheme, group_size)
-    assert group_size is not None  # check_scheme: int4 has one
+    assert group_size is not None  # check_scheme: grouped schemes have one
+    if scale.shape != (n, k // group_size) or k % group_size:
+        raise ValueError(
+            f"{scheme} group {group_size}: scale {list(scale.shape)} does not fit weight [{n}, {k}]"
+        )
+    if scheme == "int8g":
+        qs = q.to(torch.int8).contiguous()
+        return QuantizedWeight("int8g", qs, scale.bfloat16().contiguous(), group_size, k)
     u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
     # byte j of each 16: input j in the low nibble, input j + 16 in the high one
     packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
@@ -188,6 +205,8 @@ def describe(scheme: str | None, group_size: int | None) -> str:
     """How the plan and the banner name a scheme: "bf16", "int8", "int4 (group 32)"."""
     if scheme is None or scheme == "bf16":
         return "bf16"
+    if scheme == "int8g":
+        return f"int8 (group {group_size})"
     return f"int4 (group {group_size})" if scheme == "int4" else scheme
 
 
@@ -220,11 +239,11 @@ def adversarial_qweight(n: int, k: int, scheme: str, group_size: int | None, gen
     mag = torch.randint(1, 4, (n, k), generator=gen)
     sign = torch.randint(0, 2, (n, k), generator=gen) * 2 - 1
     q = mag * sign
-    big = 127 if scheme == "int8" else -8
+    big = -8 if scheme == "int4" else 127
     for a, b in _big_columns(k):
         q[:, a] = q[:, b] = big
-    groups = k // group_size if scheme == "int4" and group_size else 1
-    scale = torch.ones(n, groups) if scheme == "int4" else torch.ones(n)
+    groups = k // group_size if scheme in GROUPED and group_size else 1
+    scale = torch.ones(n, groups) if scheme in GROUPED else torch.ones(n)
     return from_integers(q, scale, scheme, group_size)
 
 
@@ -233,5 +252,5 @@ def adversarial_qrows(rows: int, k: int, scheme: str, gen) -> torch.Tensor:
     with :func:`adversarial_qweight`'s big values are +-2^24 (exact in bf16 and fp32)."""
     x = adversarial_rows(rows, k, gen)  # big inputs +-2^12
     cols = torch.tensor(_big_columns(k), dtype=torch.int64).flatten()
-    x[:, cols] *= 2.0**5 if scheme == "int8" else 2.0**9  # x 127: about 2^24; x -8: 2^24
+    x[:, cols] *= 2.0**9 if scheme == "int4" else 2.0**5  # x 127: about 2^24; x -8: 2^24
     return x

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hal.quant import QuantizedWeight
+from runtime_glue.cli.main import QUANTIZE_SCHEMES
 from runtime_glue.cli.main import main as cli
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
@@ -56,7 +57,14 @@ def test_packing_is_compressed_tensors_word_layout():
 
 @pytest.mark.parametrize(
     "scheme,group,lm_head",
-    [("w8a16", 128, False), ("w4a16", 32, False), ("w4a16", 128, True), ("w4a16", 64, False)],
+    [
+        ("w8a16-channel", 128, False),
+        ("w8a16", 128, False),
+        ("w8a16", 32, True),
+        ("w4a16", 32, False),
+        ("w4a16", 128, True),
+        ("w4a16", 64, False),
+    ],
 )
 def test_a_written_checkpoint_loads_as_the_same_quantization_at_load_time(
     wide_ckpt, tmp_path, scheme, group, lm_head
@@ -66,9 +74,8 @@ def test_a_written_checkpoint_loads_as_the_same_quantization_at_load_time(
     dst = quantized(wide_ckpt, tmp_path / "q", scheme, group, *(["--lm-head"] if lm_head else []))
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
-    int8 = scheme == "w8a16"
     asked = dict(
-        quantization="int8" if int8 else "int4",
+        quantization=QUANTIZE_SCHEMES[scheme],
         quantization_group_size=group,
         quantize_lm_head=lm_head,
     )
@@ -141,7 +148,7 @@ def w4(wide_ckpt, tmp_path_factory):
         (lambda qc: _group(qc)["weights"].update(type="float", num_bits=8), "float weights of 8"),
         (lambda qc: _group(qc)["weights"].update(symmetric=False), "asymmetric weights"),
         (lambda qc: _group(qc)["weights"].update(actorder="group"), "activation ordering"),
-        (lambda qc: _group(qc)["weights"].update(num_bits=8), "8-bit weights with strategy"),
+        (lambda qc: _group(qc)["weights"].update(strategy="tensor"), "strategy 'tensor'"),
         (lambda qc: _group(qc)["weights"].update(group_size=48), "group size 48"),
         (
             lambda qc: _group(qc).update(input_activations={"num_bits": 8, "type": "int"}),
@@ -163,7 +170,7 @@ def test_a_scheme_rlt_hal_does_not_run_is_one_line_naming_it_before_any_weight_l
         LLM(bad, **ENGINE)
     message = str(err.value)
     assert words in message and str(bad / "config.json") in message and "\n" not in message
-    assert "--quantization int8|int4" in message  # and what would work
+    assert "--quantization int8|int8g|int4" in message  # and what would work
 
 
 def test_the_cli_refuses_it_in_one_line(w4, tmp_path, capsys):
@@ -267,3 +274,11 @@ def test_quantize_refuses_to_write_into_a_checkpoint(wide_ckpt, tmp_path, capsys
         == 2
     )
     assert "group size must be one of" in capsys.readouterr().err
+
+
+def test_the_start_up_line_says_the_checkpoint_was_quantized_elsewhere(w4, capsys):
+    assert cli(["generate", "--model", str(w4), "--prompt", "hi", "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "(int4 (group 32), as stored: compressed-tensors W4A16 (pack-quantized, group 32))" in err
+    )

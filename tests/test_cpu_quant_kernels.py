@@ -34,12 +34,27 @@ QUANT_KERNELS = (
     "int4-avx2",
     "int4-torch",
     "int4-a8-avx2",
+    "int8g-avx2",
+    "int8g-a8-avx2",
 )
-INVARIANT = ("int8-avx2", "int4-avx2", "int8-a8-avx2", "int4-a8-avx2")
-A8 = ("int8-a8-avx2", "int4-a8-avx2")  # activations quantized per 32: W8A8, W4A8
-SCHEMES = [("int8", None)] + [("int4", g) for g in GROUP_SIZES]
+INVARIANT = (
+    "int8-avx2",
+    "int4-avx2",
+    "int8-a8-avx2",
+    "int4-a8-avx2",
+    "int8g-avx2",
+    "int8g-a8-avx2",
+)
+A8 = ("int8-a8-avx2", "int4-a8-avx2", "int8g-a8-avx2")  # activations quantized per 32
+SCHEMES = [("int8", None)] + [(s, g) for s in ("int8g", "int4") for g in GROUP_SIZES]
+
+
+def _scheme(kernel: str) -> str:
+    return kernel.split("-")[0]
+
+
 # (kernel, group size) for each kernel and the group sizes of its scheme
-CASES = [(n, g) for n in QUANT_KERNELS for s, g in SCHEMES if n.startswith(s)]
+CASES = [(n, g) for n in QUANT_KERNELS for s, g in SCHEMES if _scheme(n) == s]
 
 
 def _kernel(name: str):
@@ -68,12 +83,12 @@ def _excess(got: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, name: str = 
 
 
 # K: 8-multiples and tails for int8; every int4 K is a multiple of 128 (so of each group).
-K_OF = {"int8": (64, 203, 2048), "int4": (128, 384, 2048)}
+K_OF = {"int8": (64, 203, 2048), "int8g": (128, 384, 2048), "int4": (128, 384, 2048)}
 
 
 @pytest.mark.parametrize("name, group", CASES)
 def test_each_kernel_is_within_bf16_rounding_of_float64_on_the_dequantized_weight(name, group):
-    kernel, scheme = _kernel(name), name[:4]
+    kernel, scheme = _kernel(name), _scheme(name)
     gen = torch.Generator().manual_seed(3)
     for k in K_OF[scheme]:
         for n in (37, 96):  # N with and without the register block's tail
@@ -89,7 +104,7 @@ def test_each_kernel_is_within_bf16_rounding_of_float64_on_the_dequantized_weigh
 @pytest.mark.parametrize("name", QUANT_KERNELS)
 def test_leading_dimensions_and_views_are_handled(name):
     kernel = _kernel(name)
-    w = _weight(32, 256, name[:4], 64)
+    w = _weight(32, 256, _scheme(name), 64)
     x = torch.randn(6, 256).bfloat16()
     flat = kernel.fn(x, w)
     assert torch.equal(kernel.fn(x.view(2, 3, 256), w), flat.view(2, 3, 32))
@@ -110,7 +125,7 @@ def test_torchs_int4_kernel_gets_its_packing_once_per_weight_and_any_n():
 
 @pytest.mark.parametrize("name, group", [c for c in CASES if c[0] in INVARIANT])
 def test_the_avx2_kernels_keep_a_rows_bits_in_any_call(name, group):
-    kernel, scheme = _kernel(name), name[:4]
+    kernel, scheme = _kernel(name), _scheme(name)
     gen = torch.Generator().manual_seed(group or 8)
     shapes = [(37, 203 if scheme == "int8" else 256), (2048, 2048)]
     if group in (None, 32):  # the other Ouro shapes once per scheme
@@ -137,7 +152,7 @@ def test_the_adversarial_inputs_show_a_change_of_summation_order(scheme, group):
 @pytest.mark.parametrize("name, group", [c for c in CASES if c[0] in INVARIANT])
 def test_stacked_weights_give_the_bits_of_their_parts(name, group):
     kernel = _kernel(name)
-    w = _weight(96 + 37 + 40, 256, name[:4], group, seed=7)  # q|k|v, with register-block tails
+    w = _weight(96 + 37 + 40, 256, _scheme(name), group, seed=7)  # q|k|v, with register-block tails
     x = torch.randn(5, 256).bfloat16()
     stacked = kernel.fn(x, w)
     at = 0
@@ -171,13 +186,15 @@ def _next_channels_scale(w: QuantizedWeight) -> QuantizedWeight:
         ("int8-a8-avx2", None, _next_channels_scale),
         ("int4-a8-avx2", 32, _nibbles_swapped),
         ("int4-a8-avx2", 64, _next_groups_scale),
+        ("int8g-avx2", 32, _next_groups_scale),
+        ("int8g-a8-avx2", 128, _next_groups_scale),
     ],
 )
 def test_the_float64_comparison_catches_a_wrong_layout_or_scale(name, group, plant):
     # A kernel reading the wrong nibble or another group's (channel's) scale is what the
     # accuracy test must catch: handed such a weight, the right kernel fails the bound.
     kernel = _kernel(name)
-    w = _weight(64, 256, name[:4], group, seed=9)
+    w = _weight(64, 256, _scheme(name), group, seed=9)
     x = torch.randn(3, 256).bfloat16()
     assert _excess(kernel.fn(x, w), x, w, name) <= 0
     assert _excess(kernel.fn(x, plant(w)), x, w, name) > 0
@@ -195,22 +212,24 @@ def test_an_exactly_representable_case_gives_the_exact_result():
         x = torch.randint(-4, 5, (3, 128), generator=gen).bfloat16()
         exact = (x.double() @ w.dequantize(torch.float64).T).bfloat16()
         for name in QUANT_KERNELS:  # (A8 kernels round x itself: not exact here)
-            if name.startswith(scheme) and name not in A8:
+            if _scheme(name) == scheme and name not in A8:
                 assert torch.equal(_kernel(name).fn(x, w), exact), (name, group)
 
 
 def test_the_cpu_driver_offers_them_with_their_claims():
     driver = create()
     int8 = {k.name: k for k in driver.kernels_for("linear", "int8")}
+    int8g = {k.name: k for k in driver.kernels_for("linear", "int8g")}
     int4 = {k.name: k for k in driver.kernels_for("linear", "int4")}
     assert {"int8-dequant", "int8-avx2", "int8-torch"} <= set(int8)
+    assert {"int8g-dequant", "int8g-avx2", "int8g-a8-avx2"} <= set(int8g)
     assert {"int4-dequant", "int4-avx2", "int4-torch"} <= set(int4)
-    for k in (int8["int8-avx2"], int4["int4-avx2"]):
+    for k in (int8["int8-avx2"], int8g["int8g-avx2"], int8g["int8g-a8-avx2"], int4["int4-avx2"]):
         assert k.row_invariant and k.column_invariant and not k.hf_exact and k.version
     for k in (int8["int8-torch"], int4["int4-torch"]):
         assert not (k.row_invariant or k.column_invariant or k.hf_exact)
     assert "int8-avx2" not in {k.name for k in driver.kernels_for("linear")}  # bf16 only
-    assert set(driver.quantization_schemes) == {"int8", "int4"}
+    assert set(driver.quantization_schemes) == {"int8", "int8g", "int4"}
 
 
 def test_the_kernels_are_torch_custom_ops_with_fake_implementations():

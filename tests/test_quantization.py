@@ -226,7 +226,7 @@ def test_a_scheme_the_driver_does_not_run_is_refused_before_the_weights_load(
         LLM(tiny_ckpt, device="bare", registry=registry, quantization="int4")
     msg = str(err.value)
     assert "\n" not in msg
-    assert "driver 'bare' offers no int4 linear kernel" in msg and "runs: int8)" in msg
+    assert "driver 'bare' offers no int4 linear kernel" in msg and "runs: int8, int8g)" in msg
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,8 @@ built with the driver's other kernels (``drivers.cpu.kernels``: one library, one
   own ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (on its packing, derived
   once per weight) are offered beside them as "int8-torch" and "int4-torch" (neither claims
   row invariance), so the execution plan measures which to use.
+- ``linear_int8g_avx2`` and ``linear_int8g_a8_avx2``: int8 with one scale per group
+  (``hal.quant``'s int8g, llm-compressor's W8A16), each weight dequantized exactly as int4's.
 - ``linear_int8_a8_avx2`` and ``linear_int4_a8_avx2`` (``csrc/linear_a8_avx2.c``): the same
   weights with the activations quantized per block of 32 as llama.cpp's Q8_0 does, summed
   with int8 dot products (W8A8, W4A8: "int8-a8-avx2", "int4-a8-avx2", ``Kernel.activations``
@@ -86,20 +88,27 @@ def _int8_a8_op(name: str, doc: str):
     return custom
 
 
-def _int4_op(name: str, doc: str):
-    """A custom op ``rlt_cpu::NAME(x, qweight, scale, group)`` on hal.quant's int4 layout."""
+def _grouped_operands(name, x, qweight, scale, group, bits) -> tuple[int, int]:
+    """N and K of a grouped weight: int4 (uint8 [N, K / 2]) or int8g (int8 [N, K])."""
+    _quant_operands(name, x, qweight, torch.uint8 if bits == 4 else torch.int8, scale)
+    n, k = qweight.shape[0], qweight.shape[1] * 8 // bits
+    if group not in GROUP_SIZES or k % group:
+        raise ValueError(f"{name}: group {group} must be one of {GROUP_SIZES} and divide K {k}")
+    if scale.shape != (n, k // group) or x.shape[-1] != k:
+        raise ValueError(
+            f"{name}: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and scale "
+            f"{list(scale.shape)} do not match group {group} (qweight [N, K{' / 2' if bits == 4 else ''}], "
+            "scale [N, K / group])"
+        )
+    return n, k
+
+
+def _grouped_op(name: str, doc: str, bits: int):
+    """A custom op ``rlt_cpu::NAME(x, qweight, scale, group)`` on hal.quant's int4 (bits 4)
+    or int8g (bits 8) layout."""
 
     def op(x: Tensor, qweight: Tensor, scale: Tensor, group: int) -> Tensor:
-        _quant_operands(name, x, qweight, torch.uint8, scale)
-        n, k = qweight.shape[0], 2 * qweight.shape[1]
-        if group not in GROUP_SIZES or k % group:
-            raise ValueError(f"{name}: group {group} must be one of {GROUP_SIZES} and divide K {k}")
-        if scale.shape != (n, k // group) or x.shape[-1] != k:
-            raise ValueError(
-                f"{name}: x [..., {x.shape[-1]}], qweight {list(qweight.shape)} and scale "
-                f"{list(scale.shape)} do not match group {group} (qweight [N, K / 2], scale "
-                "[N, K / group])"
-            )
+        n, k = _grouped_operands(name, x, qweight, scale, group, bits)
         return _quant_linear(name, x, qweight, scale, n, k, group)
 
     op.__doc__ = doc
@@ -110,25 +119,53 @@ def _int4_op(name: str, doc: str):
     return custom
 
 
+def _int8g_a8_op(name: str, doc: str):
+    """``rlt_cpu::NAME(x, qweight, scale, group, full)``: W8A8 on the int8g layout."""
+
+    def op(x: Tensor, qweight: Tensor, scale: Tensor, group: int, full: bool) -> Tensor:
+        n, k = _grouped_operands(name, x, qweight, scale, group, 8)
+        return _quant_linear(name, x, qweight, scale, n, k, group, int(full))
+
+    op.__doc__ = doc
+    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
+    custom.register_fake(
+        lambda x, qweight, scale, group, full: x.new_empty(*x.shape[:-1], qweight.shape[0])
+    )
+    return custom
+
+
 linear_int8_avx2 = _int8_op(
     "linear_int8_avx2",
     "``x @ (qweight * scale[:, None]).T``: x ``[..., K]`` bf16, qweight int8 ``[N, K]``, scale "
     "bf16 ``[N]`` (hal.quant's int8 layout); fp32 sums, AVX2 + FMA.",
 )
-linear_int4_avx2 = _int4_op(
+linear_int4_avx2 = _grouped_op(
     "linear_int4_avx2",
     "``x @ dequant(qweight).T``: x ``[..., K]`` bf16, qweight uint8 ``[N, K / 2]`` and scale "
     "bf16 ``[N, K / group]`` in hal.quant's int4 layout; fp32 sums, AVX2 + FMA.",
+    4,
+)
+linear_int8g_avx2 = _grouped_op(
+    "linear_int8g_avx2",
+    "``x @ dequant(qweight).T``: x ``[..., K]`` bf16, qweight int8 ``[N, K]`` and scale bf16 "
+    "``[N, K / group]`` (hal.quant's int8g layout); fp32 sums, AVX2 + FMA.",
+    8,
 )
 linear_int8_a8_avx2 = _int8_a8_op(
     "linear_int8_a8_avx2",
     "W8A8: ``linear_int8_avx2`` with x quantized per block of 32 "
     "(``hal.quant.quantize_activations``), int8 dot products; ``full``: qweight may hold -128.",
 )
-linear_int4_a8_avx2 = _int4_op(
+linear_int4_a8_avx2 = _grouped_op(
     "linear_int4_a8_avx2",
     "W4A8: ``linear_int4_avx2`` with x quantized per block of 32 "
     "(``hal.quant.quantize_activations``), int8 dot products.",
+    4,
+)
+linear_int8g_a8_avx2 = _int8g_a8_op(
+    "linear_int8g_a8_avx2",
+    "W8A8: ``linear_int8g_avx2`` with x quantized per block of 32 "
+    "(``hal.quant.quantize_activations``), int8 dot products; ``full``: qweight may hold -128.",
 )
 
 
@@ -140,9 +177,21 @@ def int4_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
     return linear_int4_avx2(x, w.qweight, w.scale, w.group_size)
 
 
+def int8g_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
+    return linear_int8g_avx2(x, w.qweight, w.scale, w.group_size)
+
+
+def _holds_min(w: QuantizedWeight) -> bool:
+    """Whether an int8 weight holds -128 (the W8A8 kernel's slower, exact form then)."""
+    return w.form("int8-holds-min", lambda w: bool((w.qweight == -128).any()))
+
+
 def int8_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
-    full = w.form("int8-holds-min", lambda w: bool((w.qweight == -128).any()))
-    return linear_int8_a8_avx2(x, w.qweight, w.scale, full)
+    return linear_int8_a8_avx2(x, w.qweight, w.scale, _holds_min(w))
+
+
+def int8g_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
+    return linear_int8g_a8_avx2(x, w.qweight, w.scale, w.group_size, _holds_min(w))
 
 
 def int4_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
@@ -226,6 +275,12 @@ KERNELS = (
         "csrc/linear_quant_avx2.c: int8 widened in registers, fp32 FMA sums, scaled",
     ),
     _own(
+        "int8g-avx2",
+        int8g_avx2,
+        "int8g",
+        "csrc/linear_quant_avx2.c: int8 dequantized per group in registers, fp32 FMA",
+    ),
+    _own(
         "int4-avx2",
         int4_avx2,
         "int4",
@@ -236,6 +291,13 @@ KERNELS = (
         int8_a8_avx2,
         "int8",
         "csrc/linear_a8_avx2.c: W8A8, x quantized per 32, int8 dot products",
+        "int8",
+    ),
+    _own(
+        "int8g-a8-avx2",
+        int8g_a8_avx2,
+        "int8g",
+        "csrc/linear_a8_avx2.c: W8A8 on int8 per group, x quantized per 32, int8 dot products",
         "int8",
     ),
     _own(

@@ -7,6 +7,8 @@ the op with the weight in the layout vllm-ascend gives it, derived once per weig
 - int8: the int8 ``[N, K]`` transposed to a contiguous ``[K, N]``, the scale ``[N]`` per
   channel (vllm-ascend's W8A16 linear method: ``weight.transpose(0, 1).contiguous()``,
   ``torch.flatten(weight_scale)``).
+- int8g (int8 with a scale per group): the same weight, the scale transposed to ``[K / group,
+  N]`` and ``antiquant_group_size`` the group.
 - int4: the values as int32 ``[K, N]`` packed by ``npu_convert_weight_to_int4pack`` to
   ``[K, N / 8]``, the scale transposed to ``[K / group, N]`` and ``antiquant_group_size`` the
   group (vllm-ascend's wNa16 linear kernel). N is padded to a multiple of 8 (the pack's rule)
@@ -56,7 +58,12 @@ class NpuWeight:
 
 
 def w8a16_form(w: QuantizedWeight) -> NpuWeight:
-    return NpuWeight(w.qweight.t().contiguous(), w.scale.contiguous(), 0, w.shape[0])
+    """int8: the scale per channel; int8g: transposed to [K / group, N] (one group: per
+    channel, as int4's)."""
+    n, k = w.shape
+    if w.scheme == "int8" or k // w.group_size == 1:
+        return NpuWeight(w.qweight.t().contiguous(), w.scale.reshape(n).contiguous(), 0, n)
+    return NpuWeight(w.qweight.t().contiguous(), w.scale.t().contiguous(), w.group_size, n)
 
 
 def w4a16_form(w: QuantizedWeight, pack) -> NpuWeight:
@@ -109,6 +116,9 @@ def kernels(device) -> tuple[Kernel, ...]:
         Kernel("linear", "int8-npu", int8_linear, scheme="int8",
                check=ops.check("npu_weight_quant_batchmatmul"), version=VERSION,
                description="npu_weight_quant_batchmatmul, int8 [K, N], per-channel scale"),
+        Kernel("linear", "int8g-npu", int8_linear, scheme="int8g",
+               check=ops.check("npu_weight_quant_batchmatmul"), version=VERSION,
+               description="npu_weight_quant_batchmatmul, int8 [K, N], group-wise scale [K/g, N]"),
         Kernel("linear", "int4-npu", int4_linear, scheme="int4",
                check=check_int4, version=VERSION,
                description="npu_weight_quant_batchmatmul, int4 packed by "

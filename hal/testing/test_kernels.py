@@ -41,13 +41,13 @@ GROUPS = (32, 64, 128)
 def _qweight(n: int, k: int, scheme: str, group: int | None, gen, dev):
     """Random values over the scheme's whole range, with scales that differ by up to 2^6
     between groups (a kernel applying one group's scale to another shows)."""
-    lo, hi = (-128, 128) if scheme == "int8" else (-8, 8)
+    lo, hi = (-8, 8) if scheme == "int4" else (-128, 128)
     q = torch.randint(lo, hi, (n, k), generator=gen)
-    groups = k // group if scheme == "int4" and group else 1
+    groups = k // group if group else 1
     scale = torch.rand(n, groups, generator=gen) * 2.0 ** torch.randint(
         -9, -3, (n, groups), generator=gen
     )
-    w = from_integers(q, scale if scheme == "int4" else scale[:, 0], scheme, group)
+    w = from_integers(q, scale if group else scale[:, 0], scheme, group)
     return _on(w, dev)
 
 

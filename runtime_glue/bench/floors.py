@@ -53,17 +53,15 @@ def _big_weight(nbytes: int, scheme: str, device: torch.device, k: int = 2048):
 
     if scheme == "bf16":
         return torch.randn(nbytes // (2 * k), k, device=device).bfloat16()
-    per_row = k if scheme == "int8" else k // 2
+    per_row = k // 2 if scheme == "int4" else k
     n = nbytes // per_row
-    groups = 1 if scheme == "int8" else k // 32
-    if scheme == "int8":  # the range rlt-hal's own quantization gives, [-127, 127]
-        q = torch.randint(-127, 128, (n, per_row), dtype=torch.int8, device=device)
-    else:
+    group = k if scheme == "int8" else 32
+    if scheme == "int4":
         q = torch.randint(0, 256, (n, per_row), dtype=torch.uint8, device=device)
-    scale = (torch.rand(n, groups, device=device) * 0.01).bfloat16()
-    return QuantizedWeight(
-        scheme, q, scale[:, 0] if scheme == "int8" else scale, k if scheme == "int8" else 32, k
-    )
+    else:  # the range rlt-hal's own quantization gives, [-127, 127]
+        q = torch.randint(-127, 128, (n, per_row), dtype=torch.int8, device=device)
+    scale = (torch.rand(n, k // group, device=device) * 0.01).bfloat16()
+    return QuantizedWeight(scheme, q, scale[:, 0] if scheme == "int8" else scale, group, k)
 
 
 def gemm_rate(

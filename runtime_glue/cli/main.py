@@ -107,11 +107,13 @@ def _trained_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-QUANTIZE_SCHEMES = {"w8a16": "int8", "w4a16": "int4"}
+# llm-compressor's W8A16 preset: int8 with a scale per group; per channel on request.
+QUANTIZE_SCHEMES = {"w8a16": "int8g", "w8a16-channel": "int8", "w4a16": "int4"}
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """A bf16 checkpoint quantized by rlt-hal, written in compressed-tensors' format."""
+    from hal.quant import describe
     from hal.registry import default_registry
     from runtime_glue.ouro.checkpoint import load_weights
     from runtime_glue.ouro.compressed import write
@@ -131,8 +133,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         load_weights(src, cfg, device), cfg, scheme, args.group_size, args.lm_head, device
     )
     write(src, dst, weights, scheme, args.group_size)
-    what = "int8, one scale per channel" if scheme == "int8" else f"int4, group {args.group_size}"
-    print(f"wrote {args.scheme.upper()} ({what}) in compressed-tensors' format to {dst}")
+    print(
+        f"wrote {describe(scheme, args.group_size)} weights in compressed-tensors' format to {dst}"
+    )
     return 0
 
 
@@ -263,11 +266,10 @@ def _add_quantize(sub) -> None:
         "--scheme",
         required=True,
         choices=list(QUANTIZE_SCHEMES),
-        help="w8a16: int8 weights, one scale per output channel; w4a16: int4, one per group",
+        help="w8a16: int8 weights, one scale per group (llm-compressor's W8A16); "
+        "w8a16-channel: int8, one scale per output channel; w4a16: int4, one per group",
     )
-    p.add_argument(
-        "--group-size", type=int, default=128, help="inputs per int4 scale: 32, 64 or 128"
-    )
+    p.add_argument("--group-size", type=int, default=128, help="inputs per scale: 32, 64 or 128")
     p.add_argument("--lm-head", action="store_true", help="quantize lm_head too")
     p.set_defaults(func=cmd_quantize)
 

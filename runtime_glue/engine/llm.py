@@ -438,7 +438,11 @@ def announce_llm(llm: LLM) -> None:
         else f"; step graphs {verdict.kernel} "
         + ("admitted" if verdict.admitted else f"refused ({verdict.why})")
     )
-    weights = f"; weights {llm.model.weight_bytes / 2**20:.1f} MiB ({llm.plan.quantization})"
+    stored = llm.stored_quantization
+    source = "" if stored is None else f", as stored: {stored.describe()}"
+    weights = (
+        f"; weights {llm.model.weight_bytes / 2**20:.1f} MiB ({llm.plan.quantization}{source})"
+    )
     print(
         f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
         f"{graphs_line}{weights}",

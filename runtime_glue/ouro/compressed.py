@@ -15,10 +15,11 @@ computes: a checkpoint loaded here runs, in HF-exact mode, the weights
 ``compressed_tensors`` decompresses. :func:`write` makes such checkpoints from rlt-hal's own
 quantization (``rlt-hal quantize``).
 
-Supported: integer weights of 8 bits (one scale per output channel) and 4 bits (one per
-channel or per group of 32, 64, 128 or a multiple of 128: the kernels take the scale per
-group of 128, repeated, so every value stays the same), symmetric, activations in bf16 (W8A16,
-W4A16). Everything else is refused by name before a weight loads.
+Supported: integer weights of 8 bits (``hal.quant``'s int8: one scale per output channel;
+int8g: one per group, llm-compressor's W8A16 preset) and 4 bits (int4, per group or per
+channel), symmetric, activations in bf16 (W8A16, W4A16). A group of a multiple of 128 (and
+int4 per channel) runs as the kernels' group of 128 with each scale repeated: every value
+stays the same. Everything else is refused by name before a weight loads.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ from runtime_glue.ouro.quantize import checkpoint_tensors, place
 
 METHOD = "compressed-tensors"
 FORMATS = ("pack-quantized", "naive-quantized")
-SCHEME_OF_BITS = {8: "int8", 4: "int4"}
+BITS = (8, 4)
 WHAT_WORKS = (
-    "rlt-hal loads compressed-tensors W8A16 (int8, one scale per channel) and W4A16 (int4, "
-    "per channel or per group) checkpoints with symmetric weights, or quantizes a bf16 "
-    "checkpoint at load (--quantization int8|int4)"
+    "rlt-hal loads compressed-tensors W8A16 and W4A16 checkpoints (int8 or int4, per channel "
+    "or per group, symmetric), or quantizes a bf16 checkpoint at load (--quantization "
+    "int8|int8g|int4)"
 )
 
 
@@ -61,15 +62,15 @@ class CheckpointQuantization:
     """What a quantized checkpoint's config.json says, in ``hal.quant``'s terms."""
 
     format: str  # "pack-quantized" or "naive-quantized"
-    scheme: str  # "int8" or "int4"
-    group_size: int | None  # the int4 kernels' group: 32, 64 or 128 (int8: None)
+    scheme: str  # "int8", "int8g" or "int4"
+    group_size: int | None  # the kernels' group (int8g, int4): 32, 64 or 128; int8: None
     stored_group: int | None  # the checkpoint's (None: one scale per output channel)
     lm_head: bool  # lm_head is quantized too
     gate: bool  # the exit gate is quantized (dequantized at load: it is bf16 in rlt-hal)
 
     @property
     def bits(self) -> int:
-        return 8 if self.scheme == "int8" else 4
+        return 4 if self.scheme == "int4" else 8
 
     def describe(self) -> str:
         """e.g. "compressed-tensors W4A16 (pack-quantized, group 128)"."""
@@ -108,7 +109,7 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         )
     w = group.get("weights") or {}
     kind, bits, strategy = w.get("type", "int"), w.get("num_bits"), w.get("strategy")
-    if kind != "int" or bits not in SCHEME_OF_BITS:
+    if kind != "int" or bits not in BITS:
         raise refuse(f"{kind} weights of {bits} bits (config group {name!r}) are not supported")
     if not w.get("symmetric", True):
         raise refuse(f"asymmetric weights (zero points, config group {name!r}) are not supported")
@@ -119,26 +120,25 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         )
     if w.get("dynamic"):
         raise refuse(f"dynamic weight quantization (config group {name!r}) is not supported")
-    scheme = SCHEME_OF_BITS[bits]
     widths = (cfg.hidden_size, cfg.intermediate_size)
     kernel_group: int | None = None
     if strategy == "channel":
-        stored = None
+        stored, scheme = None, "int8" if bits == 8 else "int4"
         if scheme == "int4":
             kernel_group = _kernel_group(None, widths)
-    elif strategy == "group" and scheme == "int4":
-        stored = int(w.get("group_size") or 0)
+    elif strategy == "group":
+        stored, scheme = int(w.get("group_size") or 0), "int8g" if bits == 8 else "int4"
         kernel_group = _kernel_group(stored, widths)
     else:
         raise refuse(
             f"{bits}-bit weights with strategy {strategy!r} (config group {name!r}) are not "
             "supported"
         )
-    if scheme == "int4" and kernel_group is None:
+    if scheme != "int8" and kernel_group is None:
+        per = "one scale per channel" if stored is None else f"group size {stored}"
         raise refuse(
-            f"int4 with {'one scale per channel' if stored is None else f'group size {stored}'} "
-            f"on input widths {widths}: the int4 kernels need groups of 32, 64 or 128 dividing "
-            "them"
+            f"{bits}-bit weights with {per} on input widths {widths}: the kernels need groups "
+            "of 32, 64 or 128 dividing them"
         )
     targets, ignore = group.get("targets") or [], qc.get("ignore") or []
     flags = {m: _matches(m, targets) and not _matches(m, ignore) for m in linear_modules(cfg)}
@@ -156,7 +156,7 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
 
 
 def _kernel_group(stored: int | None, widths: tuple[int, ...]) -> int | None:
-    """The int4 kernels' group for a checkpoint's (None: one scale per channel): the largest
+    """The kernels' group for a checkpoint's (None: one scale per channel): the largest
     group they run that divides every input width and the checkpoint's own, which must be it
     or a multiple of 128 (the scales then repeat: the same values); None if there is none."""
     if stored is not None and (stored < 1 or any(k % stored for k in widths)):
@@ -296,17 +296,17 @@ def _quantized_weight(
     if cq.scheme == "int8":
         return from_integers(q, scale[:, 0], "int8")
     # Per channel or per a multiple of the kernels' group: each scale repeated.
-    assert cq.group_size is not None  # int4 has one
+    assert cq.group_size is not None  # int8g and int4 have one
     scale = scale.repeat_interleave(k // cq.group_size // scale.shape[1], dim=1)
-    return from_integers(q, scale, "int4", cq.group_size)
+    return from_integers(q, scale, cq.scheme, cq.group_size)
 
 
 def quantization_config(scheme: str, group_size: int, lm_head: bool = False) -> dict[str, Any]:
     """config.json's ``quantization_config`` for weights quantized by ``hal.quant`` (int8: one
-    scale per channel; int4: per group), as llm-compressor writes it for W8A16 / W4A16."""
-    bits = 8 if scheme == "int8" else 4
-    weights = {
-        "num_bits": bits,
+    scale per channel; int8g, int4: per group), as llm-compressor writes it for W8A16 /
+    W4A16."""
+    weights: dict[str, Any] = {
+        "num_bits": 4 if scheme == "int4" else 8,
         "type": "int",
         "symmetric": True,
         "strategy": "channel" if scheme == "int8" else "group",
@@ -361,7 +361,7 @@ def write(
             continue
         module = name[: -len(".weight")]
         head = head or module == "lm_head"
-        bits = 8 if w.scheme == "int8" else 4
+        bits = 4 if w.scheme == "int4" else 8
         n, k = w.shape
         out[module + ".weight_packed"] = pack(w.integers(), bits)
         out[module + ".weight_scale"] = w.scale.view(n, -1).contiguous()

@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from hal.interfaces import Device
-from hal.quant import QuantizedWeight, check_scheme, describe, quantize
+from hal.quant import GROUPED, QuantizedWeight, check_scheme, describe, quantize
 from runtime_glue.ouro.checkpoint import STACKED, expected_tensors
 from runtime_glue.ouro.config import OuroConfig
 
@@ -35,16 +35,16 @@ def check_quantization(
     from config.json, before the weights load."""
     if scheme is None:
         if activations:
-            return "--quantize-activations needs --quantization (int8 or int4 weights)"
+            return "--quantize-activations needs --quantization (int8, int8g or int4 weights)"
         return None
     try:
         check_scheme(scheme, group_size)
     except ValueError as exc:
         return str(exc)
-    if scheme == "int4":
+    if scheme in GROUPED:
         for name in INPUT_WIDTHS:
             k = getattr(cfg, name)
-            if k % 32:
+            if scheme == "int4" and k % 32:
                 return (
                     f"--quantization int4: the model's {name} ({k}) is not a multiple of 32, "
                     "and int4 packs a projection's inputs 32 at a time; use --quantization int8"
@@ -135,7 +135,7 @@ def expected_weight_bytes(
         if scheme == "int8":
             total += rows * k + 2 * rows
         else:
-            total += rows * k // 2 + 2 * rows * (k // group_size)
+            total += rows * k // (2 if scheme == "int4" else 1) + 2 * rows * (k // group_size)
     return total
 
 

@@ -4,14 +4,14 @@
  * Each row of x (bf16 [M, K]) is quantized on its own, block by block of 32 inputs:
  *   d = amax / 127 (fp32), q = nearest-even(x * (1 / d)), x~ = q * d;
  * hal.quant.quantize_activations computes the same x~ (the conformance kit's reference).
- * w is hal/quant.py's layout: int8 [N, K] with bf16 scale [N], or int4 nibbles [N, K / 2]
- * with bf16 scale [N, K / group] (group a multiple of 32).
+ * w is hal/quant.py's layout: int8 [N, K] with bf16 scale [N] (int8) or [N, K / group]
+ * (int8g), or int4 nibbles [N, K / 2] with bf16 scale [N, K / group] (group a multiple of 32).
  *
  * y[m, n]: for each block b in order, the block's integer dot product (exact, int32 lanes:
  * int8 with the sign trick and vpmaddubsw / vpmaddwd, int4 on the unsigned nibbles less 8
  * times the sum of x, the same lanes) converted to fp32 and added with one FMA times its
- * scale (int8: d[m, b]; int4: d[m, b] * scale[n, group of b]) into an 8-lane accumulator;
- * then a fixed horizontal sum, an int8 K tail (scalar), the int8 channel scale, bf16
+ * scale (int8: d[m, b]; int8g, int4: d[m, b] * scale[n, group of b]) into an 8-lane
+ * accumulator; then a fixed horizontal sum, an int8 K tail (scalar), the int8 channel scale, bf16
  * rounding. The same sequence for every (m, n) wherever the row falls: row- and
  * column-invariant by construction. Decode is bound by the integer dot products, which take
  * about half the instructions of widening each weight to fp32 (linear_quant_avx2.c), and by
@@ -143,7 +143,8 @@ INLINE void rows4(const int8_t *xq, const int32_t *xs8, const float *d, int ldq,
  * (then |w| takes vpmaddubsw's unsigned side, one more instruction a block: 1.04-1.10x the
  * time of one row here; xa is not read). */
 INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
-                 const int8_t *w, const uint16_t *scale, int K, uint16_t *y, int ldy, int full) {
+                 const int8_t *w, const uint16_t *scale, int K, int group, uint16_t *y, int ldy,
+                 int full) {
     int nblk = K / QB, ldd = ldq / QB;
     __m256 acc[MB];
     for (int j = 0; j < MB; j++) acc[j] = _mm256_setzero_ps();
@@ -162,7 +163,9 @@ INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, in
                 lanes = dot32(_mm256_loadu_si256(a), wv, xv);
             }
             __m256 sum = _mm256_cvtepi32_ps(lanes);
-            acc[j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[(size_t)j * ldd + b]), acc[j]);
+            float c = d[(size_t)j * ldd + b];
+            if (group) c *= bf16_to_f32(scale[b * QB / group]); /* int8g: the block's group */
+            acc[j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(c), acc[j]);
         }
     }
     for (int j = 0; j < mb; j++) {
@@ -170,16 +173,17 @@ INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, in
         const int8_t *xj = xq + (size_t)j * ldq;
         int tail = 0;
         for (int k = nblk * QB; k < K; k++) tail += xj[k] * w[k];
-        if (nblk * QB < K) t += (float)tail * d[(size_t)j * ldd + nblk];
-        y[(size_t)j * ldy] = f32_to_bf16(t * bf16_to_f32(scale[0]));
+        if (nblk * QB < K) t += (float)tail * d[(size_t)j * ldd + nblk]; /* int8 only */
+        y[(size_t)j * ldy] = f32_to_bf16(group ? t : t * bf16_to_f32(scale[0]));
     }
 }
 
+/* bits 8: int8 (group 0: one scale a row) or int8g; bits 4: int4. */
 static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, uint16_t *y, int M,
-                     int N, int K, int group, int full) {
-    int blocks = (K + QB - 1) / QB, ldq = blocks * QB;
+                     int N, int K, int bits, int group, int full) {
+    int blocks = (K + QB - 1) / QB, ldq = blocks * QB, int4 = bits == 4;
     /* Scratch: xq, then |xq| (int8) or 8 * the lane sums of xq (int4), and the scales d. */
-    size_t side = group ? (size_t)M * blocks * 8 * sizeof(int32_t) : (size_t)M * ldq;
+    size_t side = int4 ? (size_t)M * blocks * 8 * sizeof(int32_t) : (size_t)M * ldq;
     int8_t *xq = malloc((size_t)M * ldq + side);
     float *d = malloc((size_t)M * blocks * sizeof(float));
     if (!xq || !d) {
@@ -194,7 +198,7 @@ static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, ui
         quantize_row(x + (size_t)m * K, K, q, d + (size_t)m * blocks);
         for (int b = 0; b < blocks; b++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * QB));
-            if (group) {
+            if (int4) {
                 __m256i sums = _mm256_madd_epi16(
                     _mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
                 _mm256_storeu_si256((__m256i *)(xs8 + ((size_t)m * blocks + b) * 8),
@@ -204,13 +208,13 @@ static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, ui
             }
         }
     }
-    size_t wrow = group ? (size_t)K / 2 : (size_t)K;
+    size_t wrow = int4 ? (size_t)K / 2 : (size_t)K;
     size_t srow = group ? (size_t)(K / group) : 1;
     /* Each thread takes a contiguous run of weight rows and reads them in order, one
      * stream (the four rows of the previous register block were four streams: measured
      * 1.5x slower on one int8 row). int8 rows go one at a time; int4 rows, with more to
      * compute a byte, in pairs, two independent sums in flight. */
-    int nrb = group ? NR : 1, nblocks = (N + nrb - 1) / nrb;
+    int nrb = int4 ? NR : 1, nblocks = (N + nrb - 1) / nrb;
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < nblocks; p++) {
         int n = p * nrb, nr = N - n < nrb ? N - n : nrb;
@@ -224,12 +228,12 @@ static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, ui
             uint16_t *yb = y + (size_t)j0 * N + n;
             /* Constant block sizes keep the accumulators in registers; the arithmetic per
              * (m, n) is the same in every branch. */
-            if (!group) {
+            if (!int4) {
                 const int8_t *wr = (const int8_t *)wn;
 #define ROW8(FULL)                                                                         \
-    if (mb == MB) row8(xb, ab, db, ldq, MB, wr, sn, K, yb, N, FULL);                        \
-    else if (mb == 1) row8(xb, ab, db, ldq, 1, wr, sn, K, yb, N, FULL);                     \
-    else row8(xb, ab, db, ldq, mb, wr, sn, K, yb, N, FULL);
+    if (mb == MB) row8(xb, ab, db, ldq, MB, wr, sn, K, group, yb, N, FULL);                 \
+    else if (mb == 1) row8(xb, ab, db, ldq, 1, wr, sn, K, group, yb, N, FULL);              \
+    else row8(xb, ab, db, ldq, mb, wr, sn, K, group, yb, N, FULL);
                 if (full) {
                     ROW8(1)
                 } else {
@@ -252,10 +256,15 @@ static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, ui
 
 int rlt_linear_int8_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
                             int M, int N, int K, int full) {
-    return linear_a8(x, w, scale, y, M, N, K, 0, full);
+    return linear_a8(x, w, scale, y, M, N, K, 8, 0, full);
+}
+
+int rlt_linear_int8g_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
+                             uint16_t *y, int M, int N, int K, int group, int full) {
+    return linear_a8(x, w, scale, y, M, N, K, 8, group, full);
 }
 
 int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
                             int M, int N, int K, int group) {
-    return linear_a8(x, w, scale, y, M, N, K, group, 0);
+    return linear_a8(x, w, scale, y, M, N, K, 4, group, 0);
 }

@@ -9,6 +9,9 @@
  *   weight is dequantized exactly, w = fma(u, scale, -8 * scale) = q * scale (4 bits times a
  *   bf16 scale fit an fp32), then summed as in linear_avx2.c: one 8-lane accumulator over k
  *   in order, a fixed horizontal sum, bf16 rounding. K is a multiple of 32.
+ * int8g: w int8 [N, K], scale bf16 [N, K / group] (group a multiple of 32): each weight
+ *   dequantized exactly, w = q * scale (8 bits times a bf16 scale fit an fp32), then summed
+ *   as int4's.
  *
  * Which block a row falls in changes nothing in those sequences, so both kernels are
  * row-invariant (and column-invariant) by construction, like linear_avx2.c.
@@ -64,8 +67,15 @@ INLINE void load_i4x32(const uint8_t *p, __m256 s, __m256 s8, __m256 out[4]) {
     for (int v = 0; v < 4; v++) out[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u[v]), s, s8);
 }
 
-INLINE void block_int4(const float *x, int ldx, int mb, const uint8_t *w, const uint16_t *scale,
-                       int nb, int K, int group, uint16_t *y, int ldy) {
+/* 32 int8 weights dequantized to four vectors of eight, inputs in order. */
+INLINE void load_i8x32(const int8_t *p, __m256 s, __m256 out[4]) {
+    for (int v = 0; v < 4; v++) out[v] = _mm256_mul_ps(load_i8x8(p + 8 * v), s);
+}
+
+/* int4 (bits 4) or int8g (bits 8): weights dequantized per group, then fp32 FMA sums. */
+INLINE void block_grouped(const float *x, int ldx, int mb, const uint8_t *w,
+                          const uint16_t *scale, int nb, int K, int group, uint16_t *y, int ldy,
+                          int bits) {
     __m256 acc[NB][MB];
     for (int i = 0; i < NB; i++)
         for (int j = 0; j < MB; j++) acc[i][j] = _mm256_setzero_ps();
@@ -75,8 +85,11 @@ INLINE void block_int4(const float *x, int ldx, int mb, const uint8_t *w, const 
         for (int i = 0; i < nb; i++) {
             float sf = bf16_to_f32(scale[(size_t)i * groups + g]);
             __m256 wv[4];
-            load_i4x32(w + (size_t)i * (K / 2) + k / 2, _mm256_set1_ps(sf),
-                       _mm256_set1_ps(-8.0f * sf), wv);
+            if (bits == 4)
+                load_i4x32(w + (size_t)i * (K / 2) + k / 2, _mm256_set1_ps(sf),
+                           _mm256_set1_ps(-8.0f * sf), wv);
+            else
+                load_i8x32((const int8_t *)w + (size_t)i * K + k, _mm256_set1_ps(sf), wv);
             for (int v = 0; v < 4; v++)
                 for (int j = 0; j < mb; j++)
                     acc[i][j] = _mm256_fmadd_ps(
@@ -113,11 +126,12 @@ int rlt_linear_int8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *sca
     return 0;
 }
 
-int rlt_linear_int4_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
-                         int M, int N, int K, int group) {
+static int linear_grouped(const uint16_t *x, const uint8_t *w, const uint16_t *scale,
+                          uint16_t *y, int M, int N, int K, int group, int bits) {
     float *xf = widen_rows(x, M, K);
     if (!xf) return -1;
     int nblocks = (N + NB - 1) / NB;
+    size_t wrow = (size_t)K * bits / 8;
     for (int m0 = 0; m0 < M; m0 += MC) {
         int mc = M - m0 < MC ? M - m0 : MC;
 #pragma omp parallel for schedule(static)
@@ -127,14 +141,32 @@ int rlt_linear_int4_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *sc
                 int mb = mc - j0 < MB ? mc - j0 : MB;
                 const float *xb = xf + (size_t)(m0 + j0) * K;
                 uint16_t *yb = y + (size_t)(m0 + j0) * N + n0;
-                const uint8_t *wb = w + (size_t)n0 * (K / 2);
+                const uint8_t *wb = w + (size_t)n0 * wrow;
                 const uint16_t *sb = scale + (size_t)n0 * (K / group);
-                if (nb == NB && mb == MB) block_int4(xb, K, MB, wb, sb, NB, K, group, yb, N);
-                else if (nb == NB && mb == 1) block_int4(xb, K, 1, wb, sb, NB, K, group, yb, N);
-                else block_int4(xb, K, mb, wb, sb, nb, K, group, yb, N);
+                /* Constant bits and block sizes: one specialised body each. */
+#define BLOCK(BITS)                                                                               \
+    if (nb == NB && mb == MB) block_grouped(xb, K, MB, wb, sb, NB, K, group, yb, N, BITS);       \
+    else if (nb == NB && mb == 1) block_grouped(xb, K, 1, wb, sb, NB, K, group, yb, N, BITS);    \
+    else block_grouped(xb, K, mb, wb, sb, nb, K, group, yb, N, BITS);
+                if (bits == 4) {
+                    BLOCK(4)
+                } else {
+                    BLOCK(8)
+                }
+#undef BLOCK
             }
         }
     }
     free(xf);
     return 0;
+}
+
+int rlt_linear_int4_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
+                         int M, int N, int K, int group) {
+    return linear_grouped(x, w, scale, y, M, N, K, group, 4);
+}
+
+int rlt_linear_int8g_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
+                          int M, int N, int K, int group) {
+    return linear_grouped(x, (const uint8_t *)w, scale, y, M, N, K, group, 8);
 }

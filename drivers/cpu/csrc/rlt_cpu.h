@@ -34,6 +34,11 @@ int rlt_linear_int8_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *
                             int M, int N, int K, int full);
 int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
                             int M, int N, int K, int group);
+/* int8 with one scale per group of inputs (int8g: scale bf16 [N, K / group]). */
+int rlt_linear_int8g_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
+                          int M, int N, int K, int group);
+int rlt_linear_int8g_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
+                             uint16_t *y, int M, int N, int K, int group, int full);
 
 /* Deterministic attention over one plane of the paged cache (see attention.c). */
 int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16_t *k,
