@@ -85,19 +85,22 @@ def place(weights: dict[str, Any], cfg: OuroConfig, device: Device | None) -> di
     """A checkpoint's tensors (bf16 or ``QuantizedWeight``, wherever they are) copied into one
     buffer from ``device.alloc_weights``, each layer's stacked projection (``STACKED``) once
     with its members as row slices of it, so a column-invariant kernel still makes one call
-    for q|k|v (a quantization is per row: stacking the members' is quantizing the stack)."""
+    for q|k|v (a quantization is per row: stacking the members' is quantizing the stack).
+    Consumes ``weights``: each member is let go once stacked, so the peak is the tensors
+    once and the buffer."""
     owners: dict[str, Any] = {}
     members: dict[str, tuple[str, int, int]] = {}  # a stacked member: (its stack, rows)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         for stacked, names in STACKED.items():
-            parts = [weights[p + m] for m in names]
+            parts = [weights.pop(p + m) for m in names]
             owners[p + stacked] = _stack(parts)
             start = 0
             for member, part in zip(names, parts, strict=True):
                 members[p + member] = (p + stacked, start, start + part.shape[0])
                 start += part.shape[0]
-    owners.update({n: w for n, w in weights.items() if n not in members})
+    owners.update(weights)
+    weights.clear()
     out = _in_one_buffer(owners, device)
     for name, (stacked, start, stop) in members.items():
         w = out[stacked]
