@@ -123,6 +123,16 @@ class QuantizedWeight:
         )
 
 
+def layout(scheme: str, n: int, k: int, group_size: int | None) -> tuple[tuple, tuple]:
+    """The (shape, dtype) of a ``[N, K]`` weight's two parts in ``scheme``: its packed weight
+    and its scales (the module docstring's layout)."""
+    if scheme == "int8":
+        return ((n, k), torch.int8), ((n,), torch.bfloat16)
+    assert group_size is not None  # int8g and int4 have one
+    packed = ((n, k // 2), torch.uint8) if scheme == "int4" else ((n, k), torch.int8)
+    return packed, ((n, k // group_size), torch.bfloat16)
+
+
 def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantizedWeight:
     """``w [N, K]`` (bf16) in ``scheme``, on ``w``'s device, computed in fp32."""
     check_scheme(scheme, group_size)

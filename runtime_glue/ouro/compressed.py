@@ -246,24 +246,29 @@ def load(
     quantized, everything else bf16, in one buffer from ``device.alloc_weights``."""
     entries = index_checkpoint(model_dir)
     validate(entries, cfg, model_dir, expected(cfg, cq))
+    shapes = expected_tensors(cfg)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(expected_tensors(cfg)), desc="loading weights", unit="tensor")
-    weights: dict[str, Any] = {}
-    for name, shape in expected_tensors(cfg).items():
+        bar = tqdm(total=len(shapes), desc="loading weights", unit="tensor")
+
+    def made(name: str) -> Any:
         module = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and _quantized(module, cq):
-            w = _quantized_weight(entries, module, shape, cq)
-            weights[name] = w.dequantize() if module == "model.early_exit_gate" else w
+            w: Any = _quantized_weight(entries, module, shapes[name], cq)
+            if module == "model.early_exit_gate":
+                w = w.dequantize()
         else:
-            weights[name] = read_tensor(entries[name])
+            w = read_tensor(entries[name])
         if bar is not None:
             bar.update()
+        return w
+
+    weights = place(cfg, cq.scheme, cq.group_size, cq.lm_head, made, device)
     if bar is not None:
         bar.close()
-    return place(weights, cfg, device)
+    return weights
 
 
 def _quantized_weight(

@@ -14,13 +14,13 @@ quantized model is the reference run on its dequantized weights (``hal.quant``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
-import attrs
 import torch
 
 from hal.interfaces import Device
-from hal.quant import GROUPED, QuantizedWeight, check_scheme, describe, quantize
+from hal.quant import GROUPED, QuantizedWeight, check_scheme, describe, layout, quantize
 from runtime_glue.ouro.checkpoint import STACKED, expected_tensors
 from runtime_glue.ouro.config import OuroConfig
 
@@ -68,56 +68,107 @@ def quantize_weights(
     """``weights`` (``checkpoint.load_weights``) with the projections in ``scheme``, every
     tensor (packed weights, scales, the bf16 ones kept) in one buffer from
     ``device.alloc_weights`` (aligned, huge pages on cpu), as the loader places bf16 weights."""
-    projections = {m for members in STACKED.values() for m in members} | set(LONE)
 
-    def quantized(name: str) -> bool:
-        return name.split(".", 3)[-1] in projections or (lm_head and name == "lm_head.weight")
+    def made(name: str) -> Any:
+        w = weights[name]
+        return quantize(w, scheme, group_size) if quantized(name, lm_head) else w
 
-    own = checkpoint_tensors(weights)
-    return place(
-        {n: quantize(w, scheme, group_size) if quantized(n) else w for n, w in own.items()},
-        cfg,
-        device,
-    )
+    return place(cfg, scheme, group_size, lm_head, made, device)
 
 
-def place(weights: dict[str, Any], cfg: OuroConfig, device: Device | None) -> dict[str, Any]:
-    """A checkpoint's tensors (bf16 or ``QuantizedWeight``, wherever they are) copied into one
-    buffer from ``device.alloc_weights``, each layer's stacked projection (``STACKED``) once
-    with its members as row slices of it, so a column-invariant kernel still makes one call
-    for q|k|v (a quantization is per row: stacking the members' is quantizing the stack).
-    Consumes ``weights``: each member is let go once stacked, so the peak is the tensors
-    once and the buffer."""
-    owners: dict[str, Any] = {}
-    members: dict[str, tuple[str, int, int]] = {}  # a stacked member: (its stack, rows)
+def quantized(name: str, lm_head: bool) -> bool:
+    """Whether a checkpoint tensor is quantized: every projection, lm_head if asked."""
+    return name.split(".", 3)[-1] in PROJECTIONS or (lm_head and name == "lm_head.weight")
+
+
+PROJECTIONS = {m for members in STACKED.values() for m in members} | set(LONE)
+
+
+def _owners(
+    cfg: OuroConfig, scheme: str | None, group_size: int | None, lm_head: bool
+) -> tuple[dict[str, tuple], dict[str, tuple[str, int, int]]]:
+    """Where every tensor lives, from config.json: each owner (a stacked projection, or a
+    checkpoint tensor not stacked) with the (shape, dtype) of its parts (a quantized one's
+    packed weight and scales; a bf16 tensor itself), and each stacked member's (stack, rows)."""
+    shapes = expected_tensors(cfg)
+    owners: dict[str, tuple] = {}
+    members: dict[str, tuple[str, int, int]] = {}
+
+    def parts(name: str, rows: int, k: int) -> tuple:
+        if scheme is None or not quantized(name, lm_head):
+            return (((rows, k), torch.bfloat16),)
+        return layout(scheme, rows, k, group_size)
+
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         for stacked, names in STACKED.items():
-            parts = [weights.pop(p + m) for m in names]
-            owners[p + stacked] = _stack(parts)
             start = 0
-            for member, part in zip(names, parts, strict=True):
-                members[p + member] = (p + stacked, start, start + part.shape[0])
-                start += part.shape[0]
-    owners.update(weights)
-    weights.clear()
-    out = _in_one_buffer(owners, device)
+            for member in names:
+                rows = shapes[p + member][0]
+                members[p + member] = (p + stacked, start, start + rows)
+                start += rows
+            owners[p + stacked] = parts(p + names[0], start, shapes[p + names[0]][1])
+    for name, shape in shapes.items():
+        if name not in members:
+            owners[name] = parts(name, *shape) if len(shape) == 2 else (((shape), torch.bfloat16),)
+    return owners, members
+
+
+def place(
+    cfg: OuroConfig,
+    scheme: str | None,
+    group_size: int | None,
+    lm_head: bool,
+    made: Callable[[str], Any],
+    device: Device | None,
+) -> dict[str, Any]:
+    """The model's weights in one buffer from ``device.alloc_weights``, laid out from
+    config.json before any is made: ``made(name)`` gives each checkpoint tensor (bf16, or a
+    ``QuantizedWeight`` in ``scheme``), which is copied into its place at once, so the peak is
+    the buffer and one tensor. Each layer's stacked projection (``STACKED``) is one owner with
+    its members as row slices of it, so a column-invariant kernel still makes one call for
+    q|k|v (a quantization is per row: stacking the members' is quantizing the stack)."""
+    owners, members = _owners(cfg, scheme, group_size, lm_head)
+    views = _buffer(owners, device)
+    out: dict[str, Any] = {}
+    for name, parts in views.items():
+        if len(parts) == 2:
+            assert scheme is not None  # only a quantized owner has two parts
+            k = _in_features(owners[name], scheme)
+            group = k if scheme == "int8" else group_size
+            assert group is not None
+            out[name] = QuantizedWeight(scheme, parts[0], parts[1], group, k)
+        else:
+            out[name] = parts[0]
+    for name in expected_tensors(cfg):
+        if name in members:
+            stacked, start, stop = members[name]
+            target = out[stacked]
+            target = (
+                target.rows(start, stop)
+                if isinstance(target, QuantizedWeight)
+                else target[start:stop]
+            )
+        else:
+            target = out[name]
+        value = made(name)
+        if isinstance(target, QuantizedWeight):
+            if not isinstance(value, QuantizedWeight) or value.shape != target.shape:
+                raise ValueError(f"{name}: expected a {scheme} weight {list(target.shape)}")
+            target.qweight.copy_(value.qweight)
+            target.scale.copy_(value.scale.view(target.scale.shape))
+        else:
+            target.copy_(value)
+        del value
     for name, (stacked, start, stop) in members.items():
         w = out[stacked]
         out[name] = w.rows(start, stop) if isinstance(w, QuantizedWeight) else w[start:stop]
     return out
 
 
-def _stack(parts: list[Any]) -> Any:
-    """Row-wise concatenation of tensors, or of quantized weights of one scheme and group."""
-    if not isinstance(parts[0], QuantizedWeight):
-        return torch.cat(parts)
-    return attrs.evolve(
-        parts[0],
-        qweight=torch.cat([w.qweight for w in parts]),
-        scale=torch.cat([w.scale for w in parts]),
-        forms={},
-    )
+def _in_features(parts: tuple, scheme: str) -> int:
+    (qshape, _), _ = parts
+    return qshape[1] * 2 if scheme == "int4" else qshape[1]
 
 
 def expected_weight_bytes(
@@ -125,52 +176,33 @@ def expected_weight_bytes(
 ) -> int:
     """What :func:`weight_bytes` will count once the weights are loaded (and quantized in
     ``scheme``), from config.json alone: ``--memory-budget`` is checked before a weight is
-    read. bf16 tensors 2 bytes an element; a quantized projection its packed weight (int8: one
-    byte an element, int4: half) and its bf16 scales (int8: one a row, int4: one a group)."""
-    projections = {m for members in STACKED.values() for m in members} | set(LONE)
-    total = 0
-    for name, shape in expected_tensors(cfg).items():
-        quantized = name.split(".", 3)[-1] in projections or (lm_head and name == "lm_head.weight")
-        if scheme is None or not quantized:
-            total += 2 * math.prod(shape)
-            continue
-        rows, k = shape
-        if scheme == "int8":
-            total += rows * k + 2 * rows
-        else:
-            total += rows * k // (2 if scheme == "int4" else 1) + 2 * rows * (k // group_size)
-    return total
+    read. The parts :func:`place` lays out, without the alignment between them."""
+    owners, _ = _owners(cfg, scheme, group_size, lm_head)
+    return sum(
+        math.prod(shape) * dtype.itemsize for parts in owners.values() for shape, dtype in parts
+    )
 
 
 _ALIGN = 64  # bytes between tensors in the buffer
 
 
-def _in_one_buffer(tensors: dict[str, Any], device: Device | None) -> dict[str, Any]:
-    """Every tensor (and every QuantizedWeight's two) copied into one byte buffer."""
-
-    def parts(t):
-        return t.parts() if isinstance(t, QuantizedWeight) else (t,)
-
-    flat = [x for t in tensors.values() for x in parts(t)]
+def _buffer(owners: dict[str, tuple], device: Device | None) -> dict[str, list[torch.Tensor]]:
+    """One byte buffer from ``device.alloc_weights`` (a host tensor without a device) holding
+    each owner's parts, aligned: their views."""
     offsets, total = [], 0
-    for x in flat:
+    flat = [(name, shape, dtype) for name, parts in owners.items() for shape, dtype in parts]
+    for _, shape, dtype in flat:
         offsets.append(total)
-        total = -(-(total + x.nbytes) // _ALIGN) * _ALIGN
+        total = -(-(total + math.prod(shape) * dtype.itemsize) // _ALIGN) * _ALIGN
     if device is None:
-        buffer = torch.empty(total, dtype=torch.uint8, device=flat[0].device)
+        buffer = torch.empty(total, dtype=torch.uint8)
     else:
         buffer = device.alloc_weights(total, torch.uint8)
-    placed = iter(
-        buffer[at : at + x.nbytes].view(x.dtype).view(x.shape).copy_(x)
-        for at, x in zip(offsets, flat, strict=True)
-    )
-    out: dict[str, Any] = {}
-    for name, t in tensors.items():
-        if isinstance(t, QuantizedWeight):
-            out[name] = attrs.evolve(t, qweight=next(placed), scale=next(placed), forms={})
-        else:
-            out[name] = next(placed)
-    return out
+    views: dict[str, list[torch.Tensor]] = {name: [] for name in owners}
+    for at, (name, shape, dtype) in zip(offsets, flat, strict=True):
+        nbytes = math.prod(shape) * dtype.itemsize
+        views[name].append(buffer[at : at + nbytes].view(dtype).view(shape))
+    return views
 
 
 def checkpoint_tensors(weights: dict[str, Any]) -> dict[str, Any]:
