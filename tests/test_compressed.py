@@ -282,3 +282,16 @@ def test_the_start_up_line_says_the_checkpoint_was_quantized_elsewhere(w4, capsy
     assert (
         "(int4 (group 32), as stored: compressed-tensors W4A16 (pack-quantized, group 32))" in err
     )
+
+
+def test_an_msmodelslim_checkpoint_is_refused_in_one_line_before_any_weight_loads(w4, tmp_path):
+    bad = _edit(w4, tmp_path / "msmodelslim")
+    raw = json.loads((bad / "config.json").read_text())
+    raw.pop("quantization_config")
+    (bad / "config.json").write_text(json.dumps(raw))
+    (bad / "quant_model_description.json").write_text(json.dumps({"model_quant_type": "W8A8"}))
+    with pytest.raises(ValueError) as err:
+        LLM(bad, **ENGINE)
+    message = str(err.value)
+    assert "msModelSlim checkpoints are not supported yet" in message and "\n" not in message
+    assert str(bad / "quant_model_description.json") in message

@@ -50,6 +50,7 @@ from runtime_glue.ouro.quantize import checkpoint_tensors, place
 METHOD = "compressed-tensors"
 FORMATS = ("pack-quantized", "naive-quantized")
 BITS = (8, 4)
+MSMODELSLIM_DESCRIPTION = "quant_model_description.json"
 WHAT_WORKS = (
     "rlt-hal loads compressed-tensors W8A16 and W4A16 checkpoints (int8 or int4, per channel "
     "or per group, symmetric), or quantizes a bf16 checkpoint at load (--quantization "
@@ -83,6 +84,11 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     scheme rlt-hal does not run is a one-line error naming it, the file and what works."""
     path = Path(model_dir) / "config.json"
     qc = json.loads(path.read_text()).get("quantization_config")
+    description = Path(model_dir) / MSMODELSLIM_DESCRIPTION
+    if description.is_file():  # msModelSlim's (vllm-ascend's --quantization ascend)
+        raise CheckpointError(
+            f"{description}: msModelSlim checkpoints are not supported yet; {WHAT_WORKS}"
+        )
     if not qc:
         return None
 
