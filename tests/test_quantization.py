@@ -38,7 +38,11 @@ from runtime_glue.ouro.quantize import (
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 
-SCHEMES = {"int8": dict(quantization="int8"), "int4-g32": dict(quantization="int4")}
+SCHEMES = {
+    "int8": dict(quantization="int8"),
+    "int8g-g32": dict(quantization="int8g", quantization_group_size=32),
+    "int4-g32": dict(quantization="int4"),
+}
 GQA = "gqa-h64-d32-L2-T4"
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -157,8 +161,9 @@ def _deterministic(ckpt, driver_name, scheme, **kw):
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_deterministic_quantized_chunked_and_batched_equal_alone(checkpoints, driver_name, scheme):
     llm = _engine(checkpoints, driver_name, scheme)
-    assert llm.plan.deterministic and llm.plan.quantization.startswith(scheme[:4])
-    assert_projections_take(llm, scheme[:4], activations=False)
+    asked = SCHEMES[scheme]["quantization"]
+    assert llm.plan.deterministic and llm.plan.quantization.startswith(asked[:4])
+    assert_projections_take(llm, asked, activations=False)
     prompts = [prompt_of(40, seed=1), prompt_of(9, seed=2), prompt_of(23, seed=4)]
     together = llm.generate(prompts, GREEDY, return_logits=True)
     config = llm.engine.config
@@ -325,7 +330,10 @@ def test_a_budget_the_weights_do_not_fit_is_refused_before_any_weight_loads(
         LLM(tiny_ckpt, block_size=16, memory_budget=need, **q)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+SCHEME_KEYS = {"int8": "int8", "int8g": "int8g-g32", "int4": "int4-g32"}
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEME_KEYS))
 def test_kernels_quantizing_activations_run_only_when_asked_and_keep_the_guarantees(
     checkpoints, scheme
 ):
@@ -338,12 +346,9 @@ def test_kernels_quantizing_activations_run_only_when_asked_and_keep_the_guarant
     why = _cpu_kernel_missing(name)
     if why is not None:
         pytest.skip(why)
-    plain = _deterministic(ckpt, "cpu", "int8" if scheme == "int8" else "int4-g32")
+    plain = _deterministic(ckpt, "cpu", SCHEME_KEYS[scheme])
     assert_projections_take(plain, scheme, activations=False)
-    llm = _deterministic(
-        ckpt, "cpu", "int8" if scheme == "int8" else "int4-g32", linear=name,
-        quantize_activations=True,
-    )  # fmt: skip
+    llm = _deterministic(ckpt, "cpu", SCHEME_KEYS[scheme], linear=name, quantize_activations=True)
     assert llm.plan.choice("generated", "down_proj").kernel == name
     assert llm.plan.quantization.endswith("+ int8 activations")
     prompts = [prompt_of(40, seed=1), prompt_of(9, seed=2)]
@@ -358,7 +363,7 @@ def test_kernels_quantizing_activations_run_only_when_asked_and_keep_the_guarant
     with pytest.raises(
         ValueError, match="quantizes its activations .*: add --quantize-activations"
     ):
-        LLM(ckpt, quantization=scheme, linear=name)
+        LLM(ckpt, linear=name, **SCHEMES[SCHEME_KEYS[scheme]])
 
 
 def _cpu_kernel_missing(name: str) -> str | None:

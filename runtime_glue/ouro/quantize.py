@@ -153,8 +153,15 @@ def place(
             target = out[name]
         value = made(name)
         if isinstance(target, QuantizedWeight):
-            if not isinstance(value, QuantizedWeight) or value.shape != target.shape:
-                raise ValueError(f"{name}: expected a {scheme} weight {list(target.shape)}")
+            same = isinstance(value, QuantizedWeight) and (
+                value.scheme,
+                value.group_size,
+                value.shape,
+            ) == (target.scheme, target.group_size, target.shape)
+            if not same:
+                raise ValueError(
+                    f"{name}: expected a {describe(scheme, group_size)} weight {list(target.shape)}"
+                )
             target.qweight.copy_(value.qweight)
             target.scale.copy_(value.scale.view(target.scale.shape))
         else:
