@@ -207,7 +207,7 @@ def test_a_scheme_the_driver_does_not_run_is_refused_before_the_weights_load(
     tiny_ckpt, monkeypatch
 ):
     """A driver offering no int4 kernel (the cpu driver's kernels without them)."""
-    import runtime_glue.engine.llm as llm_module
+    import runtime_glue.engine.weights as weights_module
     from drivers.cpu.driver import CpuDevice, CpuDriver, CpuEagerBackend, create
     from hal import DriverSpec, ProbeResult, Registry, hookimpl
 
@@ -225,7 +225,7 @@ def test_a_scheme_the_driver_does_not_run_is_refused_before_the_weights_load(
     def loads(*a, **k):
         raise AssertionError("the weights loaded before the refusal")
 
-    monkeypatch.setattr(llm_module, "load_weights", loads)
+    monkeypatch.setattr(weights_module, "load_weights", loads)
     registry = Registry(plugins=[Plugin()], load_entrypoints=False)
     with pytest.raises(ValueError) as err:
         LLM(tiny_ckpt, device="bare", registry=registry, quantization="int4")
@@ -320,12 +320,12 @@ def test_a_budget_the_weights_do_not_fit_is_refused_before_any_weight_loads(
     need = expected_weight_bytes(tiny_config, scheme, 64, lm_head)
     llm = LLM(tiny_ckpt, block_size=16, num_blocks=4, **q)
     assert weight_bytes(llm.weights) == need
-    import runtime_glue.engine.llm as llm_module
+    import runtime_glue.engine.weights as weights_module
 
     def no_loading(*args, **kw):
         raise AssertionError("the weights were read")
 
-    monkeypatch.setattr(llm_module, "load_weights", no_loading)
+    monkeypatch.setattr(weights_module, "load_weights", no_loading)
     with pytest.raises(ValueError, match=f"does not hold the weights \\({need} bytes"):
         LLM(tiny_ckpt, block_size=16, memory_budget=need, **q)
 

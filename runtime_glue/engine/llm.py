@@ -21,13 +21,16 @@ from runtime_glue.engine.refusals import DEFAULT_SPECULATIVE_TOKENS, check_engin
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.speculative import SpeculativeConfig
 from runtime_glue.engine.tokenizer import load_tokenizer
-from runtime_glue.ouro.checkpoint import load_weights
-from runtime_glue.ouro.compressed import CheckpointQuantization, read_quantization
-from runtime_glue.ouro.compressed import load as load_compressed
+from runtime_glue.engine.weights import (
+    check_weights_fit,
+    load_model_weights,
+    with_stored_quantization,
+)
+from runtime_glue.ouro.compressed import read_quantization
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
-from runtime_glue.ouro.quantize import expected_weight_bytes, quantize_weights, weight_bytes
+from runtime_glue.ouro.quantize import weight_bytes
 from runtime_glue.ouro.resolve import record_note, resolve
 
 logger = logging.getLogger(__name__)
@@ -58,25 +61,6 @@ class CompletionOutput:
     logprobs: tuple[dict, ...] | None = None
     prompt_logprobs: tuple[dict | None, ...] | None = None
     index: int = 0  # which of the prompt's n samples
-
-
-def with_stored_quantization(args: EngineArgs, stored: CheckpointQuantization) -> EngineArgs:
-    """``args`` for a checkpoint quantized elsewhere: its scheme as ``--quantization``."""
-    if args.quantization not in (None, stored.scheme):
-        raise ValueError(
-            f"--quantization {args.quantization}: the checkpoint is already quantized "
-            f"({stored.describe()}); leave --quantization out to run it as stored"
-        )
-    if args.quantize_lm_head and not stored.lm_head:
-        raise ValueError(
-            f"--quantize-lm-head: the checkpoint ({stored.describe()}) keeps lm_head in bf16"
-        )
-    return attrs.evolve(
-        args,
-        quantization=stored.scheme,
-        quantization_group_size=stored.group_size or args.quantization_group_size,
-        quantize_lm_head=stored.lm_head,
-    )
 
 
 def pool_blocks(
@@ -152,33 +136,11 @@ class LLM:
         self.driver.device.initialize()
         self._check(args.attention_backend)  # an unknown backend or a refused option fails
         # before the weights load, and so does a memory budget they would not fit in
-        if args.memory_budget is not None:
-            need = expected_weight_bytes(
-                self.config,
-                args.quantization,
-                args.quantization_group_size,
-                args.quantize_lm_head,
-            )
-            if args.memory_budget <= need:
-                raise ValueError(
-                    f"memory_budget {args.memory_budget} bytes does not hold the weights "
-                    f"({need} bytes in {args.quantization or 'bf16'}, from config.json; nothing "
-                    "was loaded)"
-                )
+        check_weights_fit(args, self.config)
         cfg = self.config
-        if stored is not None:
-            weights = load_compressed(self.model_dir, cfg, stored, self.driver.device, progress)
-        else:
-            weights = load_weights(self.model_dir, cfg, self.driver.device, progress=progress)
-        if stored is None and args.quantization is not None:
-            weights = quantize_weights(
-                weights,
-                cfg,
-                args.quantization,
-                args.quantization_group_size,
-                args.quantize_lm_head,
-                self.driver.device,
-            )
+        weights = load_model_weights(
+            args, cfg, self.model_dir, stored, self.driver.device, progress
+        )
         probe = KVLayout(cfg.num_planes, 1, args.block_size, cfg.num_key_value_heads, cfg.head_dim)
         kv_memory = args.kv_cache_memory
         if args.memory_budget is not None:
