@@ -49,6 +49,15 @@ def _quant_linear(name: str, x: Tensor, qweight: Tensor, scale: Tensor, n: int, 
     return out.view(*x.shape[:-1], n)
 
 
+def _custom_op(name: str, op, doc: str):
+    """``op`` as the custom op ``rlt_cpu::NAME(x, qweight, ...)``, with a fake implementation
+    (``[..., N]`` bf16 from x and qweight ``[N, ...]``)."""
+    op.__doc__ = doc
+    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
+    custom.register_fake(lambda x, qweight, *_: x.new_empty(*x.shape[:-1], qweight.shape[0]))
+    return custom
+
+
 def _int8_operands(name: str, x: Tensor, qweight: Tensor, scale: Tensor) -> tuple[int, int]:
     _quant_operands(name, x, qweight, torch.int8, scale)
     n, k = qweight.shape
@@ -66,10 +75,7 @@ def _int8_op(name: str, doc: str):
     def op(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
         return _quant_linear(name, x, qweight, scale, *_int8_operands(name, x, qweight, scale))
 
-    op.__doc__ = doc
-    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
-    custom.register_fake(lambda x, qweight, scale: x.new_empty(*x.shape[:-1], qweight.shape[0]))
-    return custom
+    return _custom_op(name, op, doc)
 
 
 def _int8_a8_op(name: str, doc: str):
@@ -80,12 +86,7 @@ def _int8_a8_op(name: str, doc: str):
         n, k = _int8_operands(name, x, qweight, scale)
         return _quant_linear(name, x, qweight, scale, n, k, int(full))
 
-    op.__doc__ = doc
-    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
-    custom.register_fake(
-        lambda x, qweight, scale, full: x.new_empty(*x.shape[:-1], qweight.shape[0])
-    )
-    return custom
+    return _custom_op(name, op, doc)
 
 
 def _grouped_operands(name, x, qweight, scale, group, bits) -> tuple[int, int]:
@@ -111,12 +112,7 @@ def _grouped_op(name: str, doc: str, bits: int):
         n, k = _grouped_operands(name, x, qweight, scale, group, bits)
         return _quant_linear(name, x, qweight, scale, n, k, group)
 
-    op.__doc__ = doc
-    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
-    custom.register_fake(
-        lambda x, qweight, scale, group: x.new_empty(*x.shape[:-1], qweight.shape[0])
-    )
-    return custom
+    return _custom_op(name, op, doc)
 
 
 def _int8g_a8_op(name: str, doc: str):
@@ -126,12 +122,7 @@ def _int8g_a8_op(name: str, doc: str):
         n, k = _grouped_operands(name, x, qweight, scale, group, 8)
         return _quant_linear(name, x, qweight, scale, n, k, group, int(full))
 
-    op.__doc__ = doc
-    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
-    custom.register_fake(
-        lambda x, qweight, scale, group, full: x.new_empty(*x.shape[:-1], qweight.shape[0])
-    )
-    return custom
+    return _custom_op(name, op, doc)
 
 
 linear_int8_avx2 = _int8_op(
