@@ -190,13 +190,26 @@ def from_integers(
 
 
 ACTIVATION_BLOCK = 32
+TOKEN_REFERENCE = "int8-token-ref"  # every driver's per-token reference kernel
+TOKEN_CHUNK = 1024  # inputs per exact fp32 partial sum of token_linear
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., K]`` as a W8A8 / W4A8 kernel sees it (float64, exact): each row quantized
-    per block of 32 inputs as llama.cpp's Q8_0: ``d = amax / 127`` and ``q =
-    round_half_even(x * (1 / d))`` in fp32, ``x~ = q * d``. A partial last block is its own
-    block."""
+def kernel_activations(mode: str | None) -> tuple[str, ...]:
+    """The ``Kernel.activations`` a quantized projection's kernel may have under ``mode``
+    (``--quantize-activations``): None or "none", activations as given; "block", also per
+    block of 32 as llama.cpp's Q8_0 ("int8", beside the weight-only kernels); "token", each
+    row with one scale as vllm-ascend's W8A8 dynamic ("int8-token", always)."""
+    return {"block": ("bf16", "int8"), "token": ("int8-token",)}.get(mode or "none", ("bf16",))
+
+
+def quantize_activations(x: torch.Tensor, kind: str = "int8") -> torch.Tensor:
+    """``x [..., K]`` as a W8A8 / W4A8 kernel sees it (float64, exact). ``kind`` "int8": each
+    row quantized per block of 32 inputs as llama.cpp's Q8_0: ``d = amax / 127`` and ``q =
+    round_half_even(x * (1 / d))`` in fp32, ``x~ = q * d`` (a partial last block is its own
+    block). "int8-token": each row with one scale (:func:`quantize_per_token`)."""
+    if kind == "int8-token":
+        q, d = quantize_per_token(x)
+        return q.double() * d.double()[..., None]
     k = x.shape[-1]
     pad = -k % ACTIVATION_BLOCK
     xf = F.pad(x.float(), (0, pad)).view(*x.shape[:-1], -1, ACTIVATION_BLOCK)
@@ -204,6 +217,42 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
     q = torch.round(xf * inv)
     return (q.double() * d.double()).flatten(-2)[..., :k]
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` quantized per row as ``torch_npu.npu_dynamic_quant`` does it: documented
+    as "scale = rowMax(abs(x)) / DTYPE_MAX, y = round(x / scale)", computed by CANN's
+    DynamicQuant kernel (A2/A3) in fp32 as ``inv = 127 / amax``, ``q = round_half_even(x *
+    inv)``, ``d = 1 / inv`` (a row of zeros: ``q = 0``, ``d = 0``). Returns ``q`` (int8
+    ``[..., K]``) and ``d`` (fp32 ``[...]``)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    zero = amax == 0
+    # Tensor divisions: ``127 / t`` would be torch's ``t.reciprocal() * 127``, another rounding.
+    inv = torch.full_like(amax, 127.0) / torch.where(zero, torch.ones_like(amax), amax)
+    q = torch.round(xf * inv[..., None]).clamp_(-127, 127)
+    d = torch.where(zero, torch.zeros_like(amax), torch.ones_like(inv) / inv)
+    return q.to(torch.int8), d
+
+
+def token_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """W8A8 dynamic (vllm-ascend's ``npu_dynamic_quant`` then ``npu_quant_matmul``): each row
+    of ``x`` quantized alone (:func:`quantize_per_token`), the integer dot products exact
+    (``acc``), then in fp32 ``y = (fp32(acc) * scale[n]) * d[m]`` rounded to bf16. ``w``: int8,
+    one scale per output channel. Every driver's "int8-token" kernel computes these bits."""
+    if w.scheme != "int8":
+        raise ValueError(f"per-token activations take int8 weights per channel, got {w.scheme}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    q, d = quantize_per_token(x.reshape(-1, k))
+    # Exact integer sums on any device: fp32 products of TOKEN_CHUNK inputs (each at most
+    # 127 * 128 < 2^14, so every partial sum, in any order, is an integer below 2^24: exact),
+    # added in int32.
+    acc = torch.zeros(q.shape[0], w.shape[0], dtype=torch.int32, device=x.device)
+    for k0 in range(0, k, TOKEN_CHUNK):
+        part = q[:, k0 : k0 + TOKEN_CHUNK].float() @ w.qweight[:, k0 : k0 + TOKEN_CHUNK].float().t()
+        acc += part.to(torch.int32)
+    y = (acc.float() * w.scale.float()) * d[:, None]
+    return y.to(x.dtype).view(*lead, w.shape[0])
 
 
 def scheme_of(w: Any) -> str:
@@ -235,6 +284,17 @@ REFERENCE_KERNELS = tuple(
         description="F.linear on the dequantized bf16 weight (HF's arithmetic on it)",
     )
     for scheme in SCHEMES
+) + (
+    Kernel(
+        "linear",
+        TOKEN_REFERENCE,
+        token_linear,
+        row_invariant=True,
+        column_invariant=True,
+        scheme="int8",
+        activations="int8-token",
+        description="W8A8 dynamic in torch: x per token, exact integer sums, fp32 scales",
+    ),
 )
 
 

@@ -64,6 +64,7 @@ def test_packing_is_compressed_tensors_word_layout():
         ("w4a16", 32, False),
         ("w4a16", 128, True),
         ("w4a16", 64, False),
+        ("w8a8-dynamic", 128, False),
     ],
 )
 def test_a_written_checkpoint_loads_as_the_same_quantization_at_load_time(
@@ -78,6 +79,7 @@ def test_a_written_checkpoint_loads_as_the_same_quantization_at_load_time(
         quantization=QUANTIZE_SCHEMES[scheme],
         quantization_group_size=group,
         quantize_lm_head=lm_head,
+        quantize_activations="token" if scheme == "w8a8-dynamic" else None,
     )
     at_load = LLM(wide_ckpt, **ENGINE, **asked)
     stored = LLM(dst, **ENGINE)
@@ -152,7 +154,18 @@ def w4(wide_ckpt, tmp_path_factory):
         (lambda qc: _group(qc)["weights"].update(group_size=48), "group size 48"),
         (
             lambda qc: _group(qc).update(input_activations={"num_bits": 8, "type": "int"}),
-            "quantizes activations in the checkpoint",
+            "activations quantized as int 8 bits, strategy None",
+        ),
+        (
+            lambda qc: _group(qc).update(
+                input_activations={
+                    "num_bits": 8,
+                    "type": "int",
+                    "strategy": "token",
+                    "dynamic": True,
+                }
+            ),
+            "activations quantized per token take int8 weights per channel (W8A8), not 4-bit",
         ),
         (
             lambda qc: qc.update(ignore=["lm_head", "re:.*layers[.]1[.]mlp[.]down_proj$"]),
@@ -282,16 +295,3 @@ def test_the_start_up_line_says_the_checkpoint_was_quantized_elsewhere(w4, capsy
     assert (
         "(int4 (group 32), as stored: compressed-tensors W4A16 (pack-quantized, group 32))" in err
     )
-
-
-def test_an_msmodelslim_checkpoint_is_refused_in_one_line_before_any_weight_loads(w4, tmp_path):
-    bad = _edit(w4, tmp_path / "msmodelslim")
-    raw = json.loads((bad / "config.json").read_text())
-    raw.pop("quantization_config")
-    (bad / "config.json").write_text(json.dumps(raw))
-    (bad / "quant_model_description.json").write_text(json.dumps({"model_quant_type": "W8A8"}))
-    with pytest.raises(ValueError) as err:
-        LLM(bad, **ENGINE)
-    message = str(err.value)
-    assert "msModelSlim checkpoints are not supported yet" in message and "\n" not in message
-    assert str(bad / "quant_model_description.json") in message

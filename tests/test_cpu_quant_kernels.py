@@ -36,6 +36,7 @@ QUANT_KERNELS = (
     "int4-a8-avx2",
     "int8g-avx2",
     "int8g-a8-avx2",
+    "int8-token-avx2",
 )
 INVARIANT = (
     "int8-avx2",
@@ -44,8 +45,15 @@ INVARIANT = (
     "int4-a8-avx2",
     "int8g-avx2",
     "int8g-a8-avx2",
+    "int8-token-avx2",
 )
-A8 = ("int8-a8-avx2", "int4-a8-avx2", "int8g-a8-avx2")  # activations quantized per 32
+# Kernels that quantize their activations: per block of 32, or per token.
+A8 = {
+    "int8-a8-avx2": "int8",
+    "int4-a8-avx2": "int8",
+    "int8g-a8-avx2": "int8",
+    "int8-token-avx2": "int8-token",
+}
 SCHEMES = [("int8", None)] + [(s, g) for s in ("int8g", "int4") for g in GROUP_SIZES]
 
 
@@ -77,7 +85,7 @@ def _excess(got: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, name: str = 
     exactly (or scales a sum once), sums in fp32 and rounds to bf16 once is off by at most
     half a bf16 ulp of the result plus ``k * 2^-24 * sum|x * w|`` of accumulation. A W8A8 /
     W4A8 kernel (``A8``) is held to it on the activations it sums: ``quantize_activations``."""
-    seen = quantize_activations(x) if name in A8 else x
+    seen = quantize_activations(x, A8[name]) if name in A8 else x
     exact, bound = linear_f64(seen, w.dequantize(torch.float64))
     return ((got.double() - exact).abs() - bound).max().item()
 
@@ -188,6 +196,7 @@ def _next_channels_scale(w: QuantizedWeight) -> QuantizedWeight:
         ("int4-a8-avx2", 64, _next_groups_scale),
         ("int8g-avx2", 32, _next_groups_scale),
         ("int8g-a8-avx2", 128, _next_groups_scale),
+        ("int8-token-avx2", None, _next_channels_scale),
     ],
 )
 def test_the_float64_comparison_catches_a_wrong_layout_or_scale(name, group, plant):

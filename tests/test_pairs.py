@@ -126,4 +126,6 @@ def test_only_the_declared_pairs_are_refused():
         ("speculative_loops", "adaptive_depth"),
         ("step_graphs", "adaptive_depth"),
         ("num_blocks", "kv_cache_memory"),
+        ("mode", "quantize_activations"),  # hf-exact with per-token activations
+        ("deterministic", "quantize_activations"),  # --no-deterministic, its alias
     }

@@ -43,6 +43,9 @@ SCHEMES = {
     "int8g-g32": dict(quantization="int8g", quantization_group_size=32),
     "int4-g32": dict(quantization="int4"),
 }
+# The guarantees' schemes: the weight-only ones, and int8 with its activations quantized per
+# token (W8A8 dynamic, what an msModelSlim W8A8_DYNAMIC checkpoint runs).
+GUARANTEED = {**SCHEMES, "int8-token": dict(quantization="int8", quantize_activations="token")}
 GQA = "gqa-h64-d32-L2-T4"
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -125,14 +128,17 @@ def test_hf_exact_quantized_is_the_reference_on_dequantized_weights(tiny_ckpt, s
         assert not torch.equal(logits, bf16_logits)  # the oracle is not the bf16 model's
 
 
-def assert_projections_take(llm: LLM, scheme: str, activations: bool) -> None:
+def assert_projections_take(llm: LLM, scheme: str, activations: bool | str) -> None:
     """Every quantized projection of the plan runs a kernel of its scheme; one that quantizes
-    its activations only when asked to (``--quantize-activations``)."""
+    its activations only when asked to (``--quantize-activations``: True, any; "token", per
+    token always)."""
     for kind in ("prompt", "generated"):
         for op in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             kernel = llm.driver.kernel("linear", llm.plan.choice(kind, op).kernel)
             assert kernel.scheme == scheme, (kind, op, kernel.name)
-            if not activations:
+            if activations == "token":
+                assert kernel.activations == "int8-token", (kind, op, kernel.name)
+            elif not activations:
                 assert kernel.activations == "bf16", (kind, op, kernel.name)
 
 
@@ -153,17 +159,17 @@ def _deterministic(ckpt, driver_name, scheme, **kw):
         block_size=16,
         num_blocks=64,
         mode="deterministic",
-        **SCHEMES[scheme],
+        **GUARANTEED[scheme],
         **kw,
     )
 
 
-@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("scheme", sorted(GUARANTEED))
 def test_deterministic_quantized_chunked_and_batched_equal_alone(checkpoints, driver_name, scheme):
     llm = _engine(checkpoints, driver_name, scheme)
-    asked = SCHEMES[scheme]["quantization"]
+    asked = GUARANTEED[scheme]["quantization"]
     assert llm.plan.deterministic and llm.plan.quantization.startswith(asked[:4])
-    assert_projections_take(llm, asked, activations=False)
+    assert_projections_take(llm, asked, GUARANTEED[scheme].get("quantize_activations") or False)
     prompts = [prompt_of(40, seed=1), prompt_of(9, seed=2), prompt_of(23, seed=4)]
     together = llm.generate(prompts, GREEDY, return_logits=True)
     config = llm.engine.config
@@ -177,7 +183,7 @@ def test_deterministic_quantized_chunked_and_batched_equal_alone(checkpoints, dr
         llm.engine.config = config
 
 
-@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("scheme", sorted(GUARANTEED))
 def test_exact_speculation_on_quantized_weights_equals_plain_quantized_decoding(
     checkpoints, driver_name, scheme
 ):
@@ -190,13 +196,14 @@ def test_exact_speculation_on_quantized_weights_equals_plain_quantized_decoding(
     assert spec.engine.stats["spec_verify_steps"] > 0
 
 
-def test_step_graphs_and_shared_decode_kv_change_no_bit_of_quantized_decoding(checkpoints):
+@pytest.mark.parametrize("scheme", ["int4-g32", "int8-token"])
+def test_step_graphs_and_shared_decode_kv_change_no_bit_of_quantized_decoding(checkpoints, scheme):
     ckpt = checkpoints(GQA, **PARITY_CONFIGS[GQA])
     prompts = [prompt_of(21, seed=5), prompt_of(6, seed=6)]
     for sharing in ("none", "last"):
         outs = []
         for graphs in (False, True):
-            llm = _deterministic(ckpt, "npu", "int4-g32", kv_sharing=sharing, step_graphs=graphs)
+            llm = _deterministic(ckpt, "npu", scheme, kv_sharing=sharing, step_graphs=graphs)
             outs.append(llm.generate(prompts, GREEDY, return_logits=True))
             assert graphs is (llm.engine.graphs is not None)
         for a, b in zip(*outs, strict=True):
@@ -364,6 +371,24 @@ def test_kernels_quantizing_activations_run_only_when_asked_and_keep_the_guarant
         ValueError, match="quantizes its activations .*: add --quantize-activations"
     ):
         LLM(ckpt, linear=name, **SCHEMES[SCHEME_KEYS[scheme]])
+
+
+def test_per_token_activations_run_only_where_their_arithmetic_is_defined(tiny_ckpt):
+    """--quantize-activations token: int8 weights per channel, never with a kernel that takes
+    its activations as given, never in HF-exact mode (HF's arithmetic quantizes none)."""
+    int8 = dict(quantization="int8", block_size=16, num_blocks=8)
+    with pytest.raises(ValueError, match="takes int8 weights with one scale per channel"):
+        LLM(tiny_ckpt, quantization="int4", quantize_activations="token")
+    with pytest.raises(ValueError, match="quantizes no activations"):
+        LLM(tiny_ckpt, mode="hf-exact", quantize_activations="token", **int8)
+    with pytest.raises(ValueError, match="--linear int8-dequant takes its activations as given"):
+        LLM(tiny_ckpt, linear="int8-dequant", quantize_activations="token", **int8)
+    with pytest.raises(ValueError, match="add --quantize-activations token"):
+        LLM(tiny_ckpt, linear="int8-token-ref", **int8)
+    named = LLM(tiny_ckpt, linear="int8-token-ref", quantize_activations="token", **int8)
+    assert named.plan.choice("generated", "down_proj").kernel == "int8-token-ref"
+    with pytest.raises(ValueError, match="needs --quantization"):
+        LLM(tiny_ckpt, quantize_activations="token")
 
 
 def _cpu_kernel_missing(name: str) -> str | None:

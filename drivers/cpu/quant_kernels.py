@@ -16,6 +16,9 @@ built with the driver's other kernels (``drivers.cpu.kernels``: one library, one
   "int8"). About half the instructions per weight of widening it to fp32, which is what
   bounds decode on a CPU without bf16 or VNNI instructions; the arithmetic differs from the
   weight-only kernels by the activations' rounding (``hal.quant.quantize_activations``).
+- ``linear_int8_token_avx2``: int8 weights per channel with each row of x quantized with one
+  scale, vllm-ascend's W8A8 dynamic ("int8-token-avx2", ``Kernel.activations`` "int8-token"):
+  the integer sums exact, so its bits are ``hal.quant.token_linear``'s.
 """
 
 from __future__ import annotations
@@ -153,6 +156,12 @@ linear_int4_a8_avx2 = _grouped_op(
     "(``hal.quant.quantize_activations``), int8 dot products.",
     4,
 )
+TOKEN_MAX_K = 132103  # int32 sums of 127 * 128 products stay exact below this K
+linear_int8_token_avx2 = _int8_a8_op(
+    "linear_int8_token_avx2",
+    "W8A8 dynamic: ``hal.quant.token_linear`` (x quantized per row with one scale, exact int32 "
+    "sums, fp32 scales) on hal.quant's int8 layout; ``full``: qweight may hold -128.",
+)
 linear_int8g_a8_avx2 = _int8g_a8_op(
     "linear_int8g_a8_avx2",
     "W8A8: ``linear_int8g_avx2`` with x quantized per block of 32 "
@@ -179,6 +188,12 @@ def _holds_min(w: QuantizedWeight) -> bool:
 
 def int8_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
     return linear_int8_a8_avx2(x, w.qweight, w.scale, _holds_min(w))
+
+
+def int8_token_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
+    if w.in_features > TOKEN_MAX_K:
+        raise ValueError(f"int8-token-avx2 sums in int32: K {w.in_features} > {TOKEN_MAX_K}")
+    return linear_int8_token_avx2(x, w.qweight, w.scale, _holds_min(w))
 
 
 def int8g_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
@@ -283,6 +298,13 @@ KERNELS = (
         "int8",
         "csrc/linear_a8_avx2.c: W8A8, x quantized per 32, int8 dot products",
         "int8",
+    ),
+    _own(
+        "int8-token-avx2",
+        int8_token_avx2,
+        "int8",
+        "csrc/linear_a8_avx2.c: W8A8 dynamic, x quantized per token, exact int32 sums",
+        "int8-token",
     ),
     _own(
         "int8g-a8-avx2",

@@ -81,6 +81,8 @@ class EmulatedTorchNpu:
     # The weight-only quantized matmul and its int4 packing (drivers.npu.quant_ops).
     npu_weight_quant_batchmatmul = staticmethod(quant_ops.npu_weight_quant_batchmatmul)
     npu_convert_weight_to_int4pack = staticmethod(quant_ops.npu_convert_weight_to_int4pack)
+    npu_dynamic_quant = staticmethod(quant_ops.npu_dynamic_quant)  # W8A8 dynamic
+    npu_quant_matmul = staticmethod(quant_ops.npu_quant_matmul)
 
     def __init__(self, event_delay: int = 0, device_count: int = 1) -> None:
         self.event_delay = event_delay

@@ -1,5 +1,5 @@
-"""EMULATED torch_npu weight-only quantized matmul: CPU test doubles for the two Ascend ops the
-npu driver's W8A16 and W4A16 linears call (``drivers.npu.quantized``).
+"""EMULATED torch_npu quantized matmuls: CPU test doubles for the Ascend ops the npu driver's
+W8A16, W4A16 and W8A8 dynamic linears call (``drivers.npu.quantized``).
 
 - ``npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None,
   quant_scale=None, quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0)``:
@@ -30,7 +30,17 @@ hardware result):
   ``npu_weight_quant_batchmatmul`` reads what its ``npu_convert_weight_to_int4pack`` wrote, as
   on the device: a caller that packs int4 itself is caught.
 
-Only the weight-only forms (W8A16, W4A16: no ``quant_scale``) with float scales are emulated;
+- ``npu_dynamic_quant(x)``: per-token symmetric int8, documented as "scale = rowMax(abs(x)) /
+  DTYPE_MAX, y = round(x / scale)" (fp32 scale per row); emulated as CANN's DynamicQuant
+  kernel computes it (``y = rint(x * (127 / rowmax))``, ``scale = 1 / (127 / rowmax)``; a
+  newer kernel writes ``rowmax * (1 / 127)``, at most one fp32 ulp apart).
+- ``npu_quant_matmul(x1, x2, scale, *, pertoken_scale, bias, output_dtype)``: int8 ``x1 [m,
+  k] @ x2 [k, n]``, ``scale`` float32/bfloat16 ``(1,)`` or ``(n,)``, ``pertoken_scale`` float32
+  ``(m,)``, int32 ``bias``. The docs give no formula; the emulation's: exact integer sums,
+  then ``(fp32(acc + bias) * scale[n]) * pertoken_scale[m]`` in fp32, rounded once.
+
+Only the weight-only forms of npu_weight_quant_batchmatmul (W8A16, W4A16: no ``quant_scale``)
+with float scales, and npu_quant_matmul's 2-D int8 form with float output, are emulated;
 anything else raises ``NotImplementedError`` naming it. A documented rule broken raises
 ``RuntimeError`` ("... (torch_npu's documented rule)"), as the real op refuses it.
 """
@@ -254,4 +264,120 @@ def npu_weight_quant_batchmatmul(
     )
 
 
-OPS = {WQBMM: npu_weight_quant_batchmatmul, PACK: npu_convert_weight_to_int4pack}
+# -- W8A8 dynamic: npu_dynamic_quant, then npu_quant_matmul ----------------------------------
+
+DYNQ = "npu_dynamic_quant"
+QMM = "npu_quant_matmul"
+
+
+@torch.library.custom_op("rlt_npu_emulated::npu_dynamic_quant", mutates_args=())
+def _dynamic_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        refuse(DYNQ, f"x must be float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 2:
+        refuse(DYNQ, f"x must have more than one dimension, got {list(x.shape)}")
+    # Documented: scale = rowMax(abs(x)) / DTYPE_MAX, y = round(x / scale). Computed (CANN's
+    # DynamicQuant kernel, A2/A3): m = rowmax(|x|) in fp32, q = 127 / m, y = rint(x * q) (half
+    # to even), scale = 1 / q. A row of zeros is undocumented; the emulation gives y = 0 and
+    # scale 1 (the op's test golden's choice).
+    xf = x.float()
+    m = xf.abs().amax(dim=-1)
+    q = torch.full_like(m, 127.0) / torch.where(m == 0, torch.full_like(m, 127.0), m)  # fp32 Div
+    y = torch.round(xf * q[..., None]).clamp_(-128, 127).to(torch.int8)
+    return y, torch.ones_like(q) / q
+
+
+@_dynamic_quant.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def npu_dynamic_quant(
+    x: Tensor, *, smooth_scales: Tensor | None = None, group_index: Tensor | None = None,
+    dst_type: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``torch_npu.npu_dynamic_quant``: per-token symmetric int8 (``y`` int8 with ``x``'s
+    shape, ``scale`` fp32 with ``x``'s shape less the last dimension); no smooth_scales."""
+    if smooth_scales is not None or group_index is not None:
+        raise NotImplementedError(f"{DYNQ}: smooth_scales and group_index are not emulated")
+    if dst_type not in (None, torch.int8):
+        raise NotImplementedError(f"{DYNQ}: only int8 output is emulated, got {dst_type}")
+    return _dynamic_quant(x)
+
+
+def _check_qmm(x1, x2, scale, pertoken_scale, bias, output_dtype) -> None:
+    """The documented rules of the int8 x int8 form with per-token scales (Atlas A2/A3)."""
+    if x1.dtype != torch.int8 or x2.dtype != torch.int8:
+        refuse(QMM, f"x1 and x2 must both be int8 here, got {x1.dtype} and {x2.dtype}")
+    if x1.dim() != 2 or x2.dim() != 2:
+        refuse(QMM, f"x1 (m, k) and x2 (k, n) must be 2-D here, got {list(x1.shape)} and "
+                    f"{list(x2.shape)}")  # fmt: skip
+    if x1.numel() == 0 or x2.numel() == 0 or scale.numel() == 0:
+        refuse(QMM, "x1, x2 and scale cannot be empty")
+    (m, k), (k2, n) = x1.shape, x2.shape
+    if k != k2:
+        refuse(QMM, f"x1 (m, k) = {list(x1.shape)} and x2 (k, n) = {list(x2.shape)} disagree "
+                    "on k")  # fmt: skip
+    if k > MAX_DIM or n > MAX_DIM:
+        refuse(QMM, f"the last dimensions of x1 and x2 must not exceed {MAX_DIM}")
+    if scale.dtype not in (torch.float32, torch.bfloat16) or tuple(scale.shape) not in ((1,), (n,)):
+        refuse(QMM, f"scale must be float32 or bfloat16 (1,) or ({n},) here, got {scale.dtype} "
+                    f"{list(scale.shape)}")  # fmt: skip
+    if pertoken_scale is not None and (
+        pertoken_scale.dtype != torch.float32 or tuple(pertoken_scale.shape) != (m,)
+    ):
+        refuse(QMM, f"pertoken_scale must be float32 ({m},), got {pertoken_scale.dtype} "
+                    f"{list(pertoken_scale.shape)}")  # fmt: skip
+    if bias is not None and (bias.dtype != torch.int32 or tuple(bias.shape) not in ((n,), (1, n))):
+        refuse(QMM, f"bias must be int32 ({n},) or (1, {n}) here, got {bias.dtype} "
+                    f"{list(bias.shape)}")  # fmt: skip
+    if output_dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(f"{QMM}: only float16 / bfloat16 output is emulated")
+    if (
+        pertoken_scale is not None
+        and output_dtype == torch.float16
+        and scale.dtype != torch.float32
+    ):
+        refuse(QMM, "with pertoken_scale and float16 output, scale must be float32")
+
+
+@torch.library.custom_op("rlt_npu_emulated::npu_quant_matmul", mutates_args=())
+def _quant_matmul(
+    x1: Tensor, x2: Tensor, scale: Tensor, pertoken_scale: Tensor | None, bias: Tensor | None,
+    output_dtype: torch.dtype,
+) -> Tensor:  # fmt: skip
+    _check_qmm(x1, x2, scale, pertoken_scale, bias, output_dtype)
+    # The emulation's own model (the docs give no formula): the integer sums exact, then in
+    # fp32 (float(acc + bias) * scale[n]) * pertoken_scale[m], rounded once to output_dtype.
+    acc = x1.double() @ x2.double()
+    if bias is not None:
+        acc = acc + bias.double().reshape(1, -1)
+    y = acc.float() * scale.float().reshape(1, -1)
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.reshape(-1, 1)
+    return y.to(output_dtype)
+
+
+@_quant_matmul.register_fake
+def _(x1, x2, scale, pertoken_scale, bias, output_dtype):
+    return x1.new_empty(x1.shape[0], x2.shape[1], dtype=output_dtype)
+
+
+def npu_quant_matmul(
+    x1: Tensor, x2: Tensor, scale: Tensor, *, offset: Tensor | None = None,
+    pertoken_scale: Tensor | None = None, bias: Tensor | None = None,
+    output_dtype: torch.dtype | None = None,
+) -> Tensor:  # fmt: skip
+    """``torch_npu.npu_quant_matmul``: int8 ``x1 [m, k] @ x2 [k, n]`` dequantized by ``scale``
+    (per tensor or channel) and ``pertoken_scale`` (``[m]``), to float16 / bfloat16."""
+    if offset is not None:
+        raise NotImplementedError(f"{QMM}: offset (int8 output) is not emulated")
+    return _quant_matmul(x1, x2, scale, pertoken_scale, bias, output_dtype)
+
+
+OPS = {
+    WQBMM: npu_weight_quant_batchmatmul,
+    PACK: npu_convert_weight_to_int4pack,
+    DYNQ: npu_dynamic_quant,
+    QMM: npu_quant_matmul,
+}

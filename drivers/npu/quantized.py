@@ -1,4 +1,5 @@
-"""The npu driver's weight-only quantized linears: ``torch_npu.npu_weight_quant_batchmatmul``.
+"""The npu driver's quantized linears: ``torch_npu.npu_weight_quant_batchmatmul`` (weight-only),
+and ``npu_dynamic_quant`` then ``npu_quant_matmul`` (W8A8 dynamic).
 
 ``int8-npu`` (W8A16) and ``int4-npu`` (W4A16) take a ``hal.quant.QuantizedWeight`` and call
 the op with the weight in the layout vllm-ascend gives it, derived once per weight
@@ -14,6 +15,10 @@ the op with the weight in the layout vllm-ascend gives it, derived once per weig
   group (vllm-ascend's wNa16 linear kernel). N is padded to a multiple of 8 (the pack's rule)
   with zero weights, and those columns dropped from the output. A weight of one group
   (``K == group``) passes its scale per channel: the op takes groups only below K.
+
+- int8 with per-token activations (``int8-token-npu``, vllm-ascend's W8A8 dynamic linear
+  method): ``npu_dynamic_quant(x)`` gives int8 rows and their fp32 scales, then
+  ``npu_quant_matmul(q, weight [K, N], scale [N] fp32, pertoken_scale=..., output_dtype=bf16)``.
 
 ``hal.quant``'s schemes are symmetric, so no ``antiquant_offset`` is passed (vllm-ascend's
 wNa16 kernel passes None; its msModelSlim W8A16 passes the checkpoint's per-channel offset,
@@ -43,7 +48,9 @@ from hal.kernels import Kernel
 from hal.quant import QuantizedWeight
 
 VERSION = "npu-quant-1"
-QUANT_OPS = ("npu_weight_quant_batchmatmul", "npu_convert_weight_to_int4pack")
+WEIGHT_ONLY_OPS = ("npu_weight_quant_batchmatmul", "npu_convert_weight_to_int4pack")
+TOKEN_OPS = ("npu_dynamic_quant", "npu_quant_matmul")  # W8A8 dynamic
+QUANT_OPS = WEIGHT_ONLY_OPS + TOKEN_OPS
 PACK = 8  # int4 values per packed int32
 
 
@@ -108,8 +115,28 @@ def kernels(device) -> tuple[Kernel, ...]:
     def int4_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         return matmul(x, w.form("npu-w4a16", int4_form))
 
+    def token_form(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        with warm_up_work():  # int8 [K, N] and the channel scales in fp32 (exact)
+            return w.qweight.t().contiguous(), w.scale.float().reshape(-1).contiguous()
+
+    def int8_token_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        weight, scale = w.form("npu-w8a8-dynamic", token_form)
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        if rows.shape[0] == 0:
+            return x.new_empty(*lead, weight.shape[1])
+        q, per_token = ops("npu_dynamic_quant")(rows)
+        out = ops("npu_quant_matmul")(
+            q, weight, scale, pertoken_scale=per_token, output_dtype=x.dtype
+        )
+        return out.reshape(*lead, weight.shape[1])
+
+    def check_token() -> None:
+        for name in TOKEN_OPS:
+            ops(name)
+
     def check_int4() -> None:
-        for name in QUANT_OPS:
+        for name in WEIGHT_ONLY_OPS:
             ops(name)
 
     return (
@@ -119,6 +146,10 @@ def kernels(device) -> tuple[Kernel, ...]:
         Kernel("linear", "int8g-npu", int8_linear, scheme="int8g",
                check=ops.check("npu_weight_quant_batchmatmul"), version=VERSION,
                description="npu_weight_quant_batchmatmul, int8 [K, N], group-wise scale [K/g, N]"),
+        Kernel("linear", "int8-token-npu", int8_token_linear, scheme="int8",
+               activations="int8-token", check=check_token, version=VERSION,
+               description="W8A8 dynamic: npu_dynamic_quant per token, npu_quant_matmul with "
+                           "int8 [K, N], per-channel and per-token scales"),
         Kernel("linear", "int4-npu", int4_linear, scheme="int4",
                check=check_int4, version=VERSION,
                description="npu_weight_quant_batchmatmul, int4 packed by "

@@ -76,8 +76,8 @@ def test_every_linear_kernel_is_within_bf16_rounding_of_float64(driver):
 def test_every_quantized_linear_kernel_is_within_rounding_of_dequantize_then_matmul(driver):
     """Each scheme the driver runs (``Driver.quantization_schemes``), each kernel, each group
     size: against ``x @ dequant(w).T`` in float64 (``hal.reference.qlinear_f64``; a kernel
-    quantizing its activations, against ``x~ @ dequant(w).T`` with ``x~`` those activations:
-    ``hal.quant.quantize_activations``). A driver
+    quantizing its activations, per block or per token, against ``x~ @ dequant(w).T`` with
+    ``x~`` those activations: ``hal.quant.quantize_activations``). A driver
     that runs no scheme has nothing to check here (and is refused ``--quantization``)."""
     dev = driver.device.torch_device
     gen = torch.Generator().manual_seed(21)
@@ -89,7 +89,9 @@ def test_every_quantized_linear_kernel_is_within_rounding_of_dequantize_then_mat
             x, w = rand_bf16(m, k, gen=gen).to(dev), _qweight(n, k, scheme, group, gen, dev)
             got = kernel.fn(x, w)
             assert got.shape == (m, n) and got.dtype == torch.bfloat16, kernel.name
-            seen = quantize_activations(x.cpu()) if kernel.activations == "int8" else x
+            seen = x
+            if kernel.activations != "bf16":  # per block of 32 or per token
+                seen = quantize_activations(x.cpu(), kernel.activations)
             exact, bound = qlinear_f64(seen, w)
             worst = ((got.double().cpu() - exact).abs() - bound).max().item()
             where = f"{kernel.name} (group {group}): {m}x{k} @ {k}x{n}"

@@ -107,22 +107,37 @@ def _trained_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-# llm-compressor's W8A16 preset: int8 with a scale per group; per channel on request.
-QUANTIZE_SCHEMES = {"w8a16": "int8g", "w8a16-channel": "int8", "w4a16": "int4"}
+# llm-compressor's W8A16 preset: int8 with a scale per group; per channel on request. W8A8
+# dynamic: int8 per channel, the activations quantized per token when it runs.
+QUANTIZE_SCHEMES = {
+    "w8a16": "int8g",
+    "w8a16-channel": "int8",
+    "w4a16": "int4",
+    "w8a8-dynamic": "int8",
+}
+QUANTIZE_FORMATS = ("compressed-tensors", "msmodelslim")
+MSMODELSLIM_TYPES = {"w8a16": "W8A16", "w8a16-channel": "W8A16", "w8a8-dynamic": "W8A8_DYNAMIC"}
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    """A bf16 checkpoint quantized by rlt-hal, written in compressed-tensors' format."""
+    """A bf16 checkpoint quantized by rlt-hal, written in compressed-tensors' format or
+    msModelSlim's."""
     from hal.quant import describe
     from hal.registry import default_registry
+    from runtime_glue.ouro import compressed, msmodelslim
     from runtime_glue.ouro.checkpoint import load_weights
-    from runtime_glue.ouro.compressed import write
     from runtime_glue.ouro.config import OuroConfig
     from runtime_glue.ouro.quantize import check_quantization, quantize_weights
 
     src, dst = Path(args.src), Path(args.dst)
     cfg = OuroConfig.from_dir(src)
     scheme = QUANTIZE_SCHEMES[args.scheme]
+    if args.format == "msmodelslim" and (args.scheme not in MSMODELSLIM_TYPES or args.lm_head):
+        raise ValueError(
+            f"--format msmodelslim writes {', '.join(MSMODELSLIM_TYPES)} with lm_head in bf16 "
+            "(what vllm-ascend loads); use --format compressed-tensors for "
+            + ("--lm-head" if args.lm_head else f"--scheme {args.scheme}")
+        )
     why = check_quantization(cfg, scheme, args.group_size)
     if why is not None:
         raise ValueError(why)
@@ -132,10 +147,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     weights = quantize_weights(
         load_weights(src, cfg, device), cfg, scheme, args.group_size, args.lm_head, device
     )
-    write(src, dst, weights, scheme, args.group_size)
-    print(
-        f"wrote {describe(scheme, args.group_size)} weights in compressed-tensors' format to {dst}"
-    )
+    token = args.scheme == "w8a8-dynamic"
+    if args.format == "msmodelslim":
+        msmodelslim.write(src, dst, weights, MSMODELSLIM_TYPES[args.scheme], args.group_size)
+    else:
+        compressed.write(src, dst, weights, scheme, args.group_size, activations=token)
+    what = describe(scheme, args.group_size) + (" (activations per token)" if token else "")
+    print(f"wrote {what} weights in the {args.format} format to {dst}")
     return 0
 
 
@@ -267,7 +285,16 @@ def _add_quantize(sub) -> None:
         required=True,
         choices=list(QUANTIZE_SCHEMES),
         help="w8a16: int8 weights, one scale per group (llm-compressor's W8A16); "
-        "w8a16-channel: int8, one scale per output channel; w4a16: int4, one per group",
+        "w8a16-channel: int8, one scale per output channel; w4a16: int4, one per group; "
+        "w8a8-dynamic: int8 per channel, run with the activations quantized per token "
+        "(llm-compressor's W8A8, msModelSlim's W8A8_DYNAMIC)",
+    )
+    p.add_argument(
+        "--format",
+        choices=QUANTIZE_FORMATS,
+        default="compressed-tensors",
+        help="compressed-tensors (llm-compressor's, vLLM's) or msmodelslim (the layout of "
+        "msModelSlim's quant_model_description.json, vllm-ascend's --quantization ascend)",
     )
     p.add_argument("--group-size", type=int, default=128, help="inputs per scale: 32, 64 or 128")
     p.add_argument("--lm-head", action="store_true", help="quantize lm_head too")

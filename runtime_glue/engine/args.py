@@ -36,6 +36,23 @@ def toy_banner(preset: str) -> str:
     )
 
 
+ACTIVATION_CHOICES = ("none", "block", "token")
+
+
+def _activations_mode(value: Any) -> str | None:
+    """``quantize_activations``: None (as the checkpoint says; else as given), "none",
+    "block" or "token"; True and False are the older spelling ("block", None)."""
+    if value is True:
+        return "block"
+    if value is False or value is None:
+        return None
+    if value not in ACTIVATION_CHOICES:
+        raise ValueError(
+            f"quantize_activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {value!r}"
+        )
+    return value
+
+
 def cli_field(default: Any, help: str, **argparse_options: Any) -> Any:
     """An attrs field that also describes its ``--flag`` (named after the field)."""
     return attrs.field(default=default, metadata={"help": help, "cli": argparse_options})
@@ -90,6 +107,17 @@ SET = object()  # in REFUSED: the option is given at all
 # engines are made (runtime_glue.engine.refusals.check_engine). Everything else combines
 # (README, "What combines with what"; tests/test_refusals.py builds every pair).
 REFUSED = (
+    (
+        "mode", "hf-exact", "quantize_activations", "token",
+        "Hugging Face's arithmetic quantizes no activations; per-token W8A8 runs in the "
+        "deterministic and fast modes (--quantize-activations none runs the weights with bf16 "
+        "activations, HF-exact)",
+    ),
+    (
+        "deterministic", False, "quantize_activations", "token",
+        "--no-deterministic is --mode hf-exact, and Hugging Face's arithmetic quantizes no "
+        "activations (--quantize-activations none runs the weights with bf16 activations)",
+    ),
     (
         "speculative_loops", SET, "kv_sharing", "last",
         "under kv sharing a generated position's K/V is its last loop's, and a verify row "
@@ -157,12 +185,19 @@ class EngineArgs:
     quantize_lm_head: bool = cli_field(
         False, "with --quantization, quantize lm_head too", action="store_true"
     )
-    quantize_activations: bool = cli_field(
-        False,
-        "with --quantization, let the plan also use kernels that quantize the activations per "
-        "block of 32 as llama.cpp's Q8_0 does, with integer dot products (W8A8 / W4A8): "
-        "faster where decode is bound by instructions, not bytes; another arithmetic",
-        action="store_true",
+    quantize_activations: str | None = attrs.field(
+        default=None,
+        converter=_activations_mode,
+        metadata={
+            "help": "with --quantization: 'block' (alone: --quantize-activations) lets the plan "
+            "also use kernels that quantize the activations per block of 32 as llama.cpp's Q8_0 "
+            "does, with integer dot products (W8A8 / W4A8): faster where decode is bound by "
+            "instructions, not bytes; another arithmetic. 'token' quantizes every projection's "
+            "activations per token as vllm-ascend's W8A8 dynamic (int8 weights per channel; "
+            "what a W8A8_DYNAMIC checkpoint runs by default). 'none': activations as given, "
+            "also for a checkpoint that stores W8A8",
+            "cli": {"choices": ACTIVATION_CHOICES, "nargs": "?", "const": "block"},
+        },
     )
     block_size: int = cli_field(128, "tokens per KV block (a power of two >= 16)")
     num_blocks: int | None = cli_field(

@@ -19,7 +19,9 @@ from runtime_glue.ouro.quantize import expected_weight_bytes, quantize_weights
 
 
 def with_stored_quantization(args: EngineArgs, stored: CheckpointQuantization) -> EngineArgs:
-    """``args`` for a checkpoint quantized elsewhere: its scheme as ``--quantization``."""
+    """``args`` for a checkpoint quantized elsewhere: its scheme as ``--quantization`` (and a
+    W8A8 dynamic checkpoint's activations as ``--quantize-activations token``, unless another
+    choice is given)."""
     if args.quantization not in (None, stored.scheme):
         raise ValueError(
             f"--quantization {args.quantization}: the checkpoint is already quantized "
@@ -34,6 +36,7 @@ def with_stored_quantization(args: EngineArgs, stored: CheckpointQuantization) -
         quantization=stored.scheme,
         quantization_group_size=stored.group_size or args.quantization_group_size,
         quantize_lm_head=stored.lm_head,
+        quantize_activations=args.quantize_activations or stored.activations,
     )
 
 
@@ -60,8 +63,8 @@ def load_model_weights(
     device: Device,
     progress: bool,
 ) -> dict[str, Any]:
-    """The checkpoint's weights on ``device``: as stored (``stored``), or bf16 quantized at
-    load in ``args.quantization`` where asked."""
+    """The checkpoint's weights on ``device``: as stored (``stored``: compressed-tensors or
+    msModelSlim), or bf16 quantized at load in ``args.quantization`` where asked."""
     if stored is not None:
         return load_compressed(model_dir, cfg, stored, device, progress)
     weights = load_weights(model_dir, cfg, device, progress=progress)

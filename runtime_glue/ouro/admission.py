@@ -230,7 +230,7 @@ def fast_plan(
     attention: str | None,
     linear: str | None,
     block_size: int,
-    activations: bool = False,
+    activations: str | None = None,
 ) -> ExecutionPlan:
     """The fast plan: stacked projections, each fused kernel that passes its check, and for
     every other op the fastest kernel timed now (``kernel_trials.fastest``), from a choice

@@ -7,7 +7,8 @@ Read straight into ``hal.quant``'s layout, one tensor at a time (no bf16 copy of
   32]``: value ``j`` of a row in bits ``bits * (j % (32 / bits))`` of word ``j // (32 /
   bits)``, stored as ``q + 2^(bits - 1)``), ``M.weight_scale`` (``[N, 1]`` one per channel or
   ``[N, K / group]``), ``M.weight_shape`` (int64 ``[N, K]``);
-- ``naive-quantized``: ``M.weight`` holds ``q`` as int8, with the same ``M.weight_scale``.
+- ``naive-quantized`` and ``int-quantized`` (llm-compressor's W8A8): ``M.weight`` holds ``q``
+  as int8, with the same ``M.weight_scale``.
 
 The value of a weight is ``q * scale``, as compressed-tensors dequantizes it (the product of an
 integer and a bf16 scale, rounded once to bf16), which is what ``hal.quant``'s reference kernel
@@ -19,7 +20,10 @@ Supported: integer weights of 8 bits (``hal.quant``'s int8: one scale per output
 int8g: one per group, llm-compressor's W8A16 preset) and 4 bits (int4, per group or per
 channel), symmetric, activations in bf16 (W8A16, W4A16). A group of a multiple of 128 (and
 int4 per channel) runs as the kernels' group of 128 with each scale repeated: every value
-stays the same. Everything else is refused by name before a weight loads.
+stays the same. W8A8 (int8 weights per channel, activations int8 per token, dynamic,
+symmetric: llm-compressor's W8A8 preset) runs as ``--quantize-activations token``.
+Everything else is refused by name before a weight loads. An msModelSlim checkpoint (a
+``quant_model_description.json`` beside it) is read by ``runtime_glue.ouro.msmodelslim``.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.quantize import checkpoint_tensors, place
 
 METHOD = "compressed-tensors"
-FORMATS = ("pack-quantized", "naive-quantized")
+FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # int-: naive's layout
 BITS = (8, 4)
 MSMODELSLIM_DESCRIPTION = "quant_model_description.json"
 WHAT_WORKS = (
@@ -60,23 +64,31 @@ WHAT_WORKS = (
 
 @attrs.frozen
 class CheckpointQuantization:
-    """What a quantized checkpoint's config.json says, in ``hal.quant``'s terms."""
+    """What a quantized checkpoint says of itself (compressed-tensors: config.json;
+    msModelSlim: its description, ``runtime_glue.ouro.msmodelslim``), in ``hal.quant``'s
+    terms."""
 
-    format: str  # "pack-quantized" or "naive-quantized"
+    format: str  # "pack-quantized", "naive-quantized"; msModelSlim: its type ("W8A16", ...)
     scheme: str  # "int8", "int8g" or "int4"
     group_size: int | None  # the kernels' group (int8g, int4): 32, 64 or 128; int8: None
     stored_group: int | None  # the checkpoint's (None: one scale per output channel)
     lm_head: bool  # lm_head is quantized too
     gate: bool  # the exit gate is quantized (dequantized at load: it is bf16 in rlt-hal)
+    method: str = METHOD  # "compressed-tensors" or "msModelSlim"
+    activations: str | None = None  # "token": W8A8 dynamic (--quantize-activations token)
 
     @property
     def bits(self) -> int:
         return 4 if self.scheme == "int4" else 8
 
     def describe(self) -> str:
-        """e.g. "compressed-tensors W4A16 (pack-quantized, group 128)"."""
+        """e.g. "compressed-tensors W4A16 (pack-quantized, group 128)", "msModelSlim
+        W8A8_DYNAMIC (channel)"."""
         per = "channel" if self.stored_group is None else f"group {self.stored_group}"
-        return f"{METHOD} W{self.bits}A16 ({self.format}, {per})"
+        if self.method != METHOD:
+            return f"{self.method} {self.format} ({per})"
+        acts = 8 if self.activations == "token" else 16
+        return f"{METHOD} W{self.bits}A{acts} ({self.format}, {per})"
 
 
 def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuantization | None:
@@ -84,11 +96,11 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     scheme rlt-hal does not run is a one-line error naming it, the file and what works."""
     path = Path(model_dir) / "config.json"
     qc = json.loads(path.read_text()).get("quantization_config")
-    description = Path(model_dir) / MSMODELSLIM_DESCRIPTION
-    if description.is_file():  # msModelSlim's (vllm-ascend's --quantization ascend)
-        raise CheckpointError(
-            f"{description}: msModelSlim checkpoints are not supported yet; {WHAT_WORKS}"
-        )
+    if (Path(model_dir) / MSMODELSLIM_DESCRIPTION).is_file():
+        # msModelSlim's, whatever config.json says (as vllm-ascend detects it)
+        from runtime_glue.ouro import msmodelslim
+
+        return msmodelslim.read_quantization(model_dir, cfg)
     if not qc:
         return None
 
@@ -108,13 +120,11 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     fmt = group.get("format") or qc.get("format")
     if fmt not in FORMATS:
         raise refuse(f"format {fmt!r} (config group {name!r}) is not supported")
-    if group.get("input_activations"):
-        raise refuse(
-            f"config group {name!r} quantizes activations in the checkpoint (W8A8); load its "
-            "weights only (a W8A16 checkpoint) and add --quantize-activations"
-        )
     w = group.get("weights") or {}
     kind, bits, strategy = w.get("type", "int"), w.get("num_bits"), w.get("strategy")
+    activations = _activations(group.get("input_activations"), bits, strategy)
+    if activations is not None and activations != "token":
+        raise refuse(f"config group {name!r}: {activations}")
     if kind != "int" or bits not in BITS:
         raise refuse(f"{kind} weights of {bits} bits (config group {name!r}) are not supported")
     if not w.get("symmetric", True):
@@ -157,8 +167,35 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
             + ": rlt-hal runs every layer's projections in the checkpoint's scheme"
         )
     return CheckpointQuantization(
-        fmt, scheme, kernel_group, stored, flags["lm_head"], flags["model.early_exit_gate"]
+        fmt,
+        scheme,
+        kernel_group,
+        stored,
+        flags["lm_head"],
+        flags["model.early_exit_gate"],
+        activations=activations,
     )
+
+
+def _activations(a: dict | None, bits: Any, strategy: Any) -> str | None:
+    """None for W8A16 / W4A16; "token" for int8 activations quantized per token, dynamic and
+    symmetric, on int8 weights per channel (llm-compressor's W8A8: vLLM's and rlt-hal's
+    ``--quantize-activations token`` arithmetic); else why not (refused)."""
+    if not a:
+        return None
+    token = (a.get("type", "int"), a.get("num_bits"), a.get("strategy"), a.get("dynamic"))
+    if token != ("int", 8, "token", True) or not a.get("symmetric", True):
+        return (
+            f"activations quantized as {a.get('type')} {a.get('num_bits')} bits, strategy "
+            f"{a.get('strategy')!r}, dynamic {a.get('dynamic')!r}, symmetric "
+            f"{a.get('symmetric')!r} are not supported (int8, per token, dynamic, symmetric is)"
+        )
+    if (bits, strategy) != (8, "channel"):
+        return (
+            "activations quantized per token take int8 weights per channel (W8A8), not "
+            f"{bits}-bit weights with strategy {strategy!r}"
+        )
+    return "token"
 
 
 def _kernel_group(stored: int | None, widths: tuple[int, ...]) -> int | None:
@@ -205,7 +242,7 @@ def expected(cfg: OuroConfig, cq: CheckpointQuantization) -> dict[str, tuple[tup
         n, k = shape
         scales = 1 if cq.stored_group is None else k // cq.stored_group
         out[module + ".weight_scale"] = ((n, scales), ("BF16", "F16", "F32"))
-        if cq.format == "naive-quantized":
+        if cq.format != "pack-quantized":  # naive- and int-quantized: M.weight int8
             out[name] = ((n, k), ("I8",))
         else:
             out[module + ".weight_packed"] = ((n, -(-k * cq.bits // 32)), ("I32",))
@@ -249,7 +286,12 @@ def load(
 ) -> dict[str, Any]:
     """The checkpoint's weights as ``quantize.quantize_weights`` gives them for the same
     scheme: quantized projections (stacked ones once, members as row slices), lm_head if
-    quantized, everything else bf16, in one buffer from ``device.alloc_weights``."""
+    quantized, everything else bf16, in one buffer from ``device.alloc_weights``. (An
+    msModelSlim checkpoint: ``runtime_glue.ouro.msmodelslim.load``.)"""
+    if cq.method != METHOD:
+        from runtime_glue.ouro import msmodelslim
+
+        return msmodelslim.load(model_dir, cfg, cq, device, progress)
     entries = index_checkpoint(model_dir)
     validate(entries, cfg, model_dir, expected(cfg, cq))
     shapes = expected_tensors(cfg)
@@ -288,7 +330,7 @@ def _quantized_weight(
             f"{scale_entry.file}: tensor {scale_entry.name!r} holds scales that bf16 cannot "
             "hold exactly; rlt-hal's kernels take bf16 scales"
         )
-    if cq.format == "naive-quantized":
+    if cq.format != "pack-quantized":  # naive- and int-quantized: M.weight int8
         q = read_tensor(entries[module + ".weight"])
         lo, hi = -(1 << (cq.bits - 1)), (1 << (cq.bits - 1)) - 1
         if cq.bits == 4 and not (lo <= int(q.min()) and int(q.max()) <= hi):
@@ -312,10 +354,13 @@ def _quantized_weight(
     return from_integers(q, scale, cq.scheme, cq.group_size)
 
 
-def quantization_config(scheme: str, group_size: int, lm_head: bool = False) -> dict[str, Any]:
+def quantization_config(
+    scheme: str, group_size: int, lm_head: bool = False, activations: bool = False
+) -> dict[str, Any]:
     """config.json's ``quantization_config`` for weights quantized by ``hal.quant`` (int8: one
     scale per channel; int8g, int4: per group), as llm-compressor writes it for W8A16 /
-    W4A16."""
+    W4A16; ``activations``: int8 per channel with the activations quantized per token, as it
+    writes W8A8 ("int-quantized")."""
     weights: dict[str, Any] = {
         "num_bits": 4 if scheme == "int4" else 8,
         "type": "int",
@@ -328,17 +373,34 @@ def quantization_config(scheme: str, group_size: int, lm_head: bool = False) -> 
         "observer_kwargs": {},
         "block_structure": None,
     }
+    fmt = "pack-quantized"
+    inputs = None
+    if activations:
+        assert scheme == "int8", "W8A8 takes int8 weights per channel"
+        fmt = "int-quantized"
+        inputs = {
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": True,
+            "strategy": "token",
+            "group_size": None,
+            "dynamic": True,
+            "actorder": None,
+            "observer": None,
+            "observer_kwargs": {},
+            "block_structure": None,
+        }
     return {
         "quant_method": METHOD,
-        "format": "pack-quantized",
+        "format": fmt,
         "quantization_status": "compressed",
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
                 "weights": weights,
-                "input_activations": None,
+                "input_activations": inputs,
                 "output_activations": None,
-                "format": "pack-quantized",
+                "format": fmt,
             }
         },
         "ignore": ["model.early_exit_gate"] + ([] if lm_head else ["lm_head"]),
@@ -358,10 +420,17 @@ TOKENIZER_FILES = (
 
 
 def write(
-    src: str | Path, dst: str | Path, weights: dict[str, Any], scheme: str, group_size: int
+    src: str | Path,
+    dst: str | Path,
+    weights: dict[str, Any],
+    scheme: str,
+    group_size: int,
+    activations: bool = False,
 ) -> Path:
-    """A compressed-tensors checkpoint (pack-quantized) in ``dst`` of ``weights`` (as
-    ``quantize.quantize_weights`` gave them) beside ``src``'s config.json and tokenizer."""
+    """A compressed-tensors checkpoint in ``dst`` of ``weights`` (as
+    ``quantize.quantize_weights`` gave them) beside ``src``'s config.json and tokenizer:
+    pack-quantized; with ``activations`` (int8 weights run with per-token activations, W8A8)
+    int-quantized (``M.weight`` int8)."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     out: dict[str, torch.Tensor] = {}
@@ -374,12 +443,15 @@ def write(
         head = head or module == "lm_head"
         bits = 4 if w.scheme == "int4" else 8
         n, k = w.shape
-        out[module + ".weight_packed"] = pack(w.integers(), bits)
         out[module + ".weight_scale"] = w.scale.view(n, -1).contiguous()
+        if activations:
+            out[name] = w.integers().contiguous()
+            continue
+        out[module + ".weight_packed"] = pack(w.integers(), bits)
         out[module + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((Path(src) / "config.json").read_text())
-    config["quantization_config"] = quantization_config(scheme, group_size, head)
+    config["quantization_config"] = quantization_config(scheme, group_size, head, activations)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in TOKENIZER_FILES:
         if (Path(src) / f).is_file():

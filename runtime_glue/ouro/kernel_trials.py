@@ -17,7 +17,14 @@ import torch
 
 from hal.interfaces import Driver
 from hal.kernels import Kernel, adversarial_rows, adversarial_weight, check_rows
-from hal.quant import QuantizedWeight, adversarial_qrows, adversarial_qweight, scheme_of
+from hal.quant import (
+    TOKEN_REFERENCE,
+    QuantizedWeight,
+    adversarial_qrows,
+    adversarial_qweight,
+    kernel_activations,
+    scheme_of,
+)
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.plan import (
     GENERATED_TILE,
@@ -183,22 +190,36 @@ def named_for(driver: Driver, linear: str | None, scheme: str) -> str | None:
     return linear
 
 
-def plain_linear(driver: Driver, linear: str | None, scheme: str) -> str:
+def plain_linear(
+    driver: Driver, linear: str | None, scheme: str, activations: str | None = None
+) -> str:
     """The linear kernel of a plan that measures nothing (HF-exact, fast) for weights in
     ``scheme``: the one ``--linear`` names where it takes them, else the reference (torch's
-    F.linear; for quantized weights, F.linear on them dequantized: ``hal.quant``)."""
+    F.linear; for quantized weights, F.linear on them dequantized: ``hal.quant``; with
+    per-token activations, the driver's own per-token kernel, else the reference,
+    ``hal.quant.token_linear``: the same bits)."""
     named = named_for(driver, linear, scheme)
     if named is not None:
         return named
-    return "torch" if scheme == "bf16" else f"{scheme}-dequant"
+    if scheme == "bf16":
+        return "torch"
+    if activations != "token":
+        return f"{scheme}-dequant"
+    own = [
+        k.name
+        for k in driver.kernels_for("linear", scheme)
+        if k.activations == "int8-token" and not k.fast_only and k.name != TOKEN_REFERENCE
+    ]
+    return next((n for n in own if driver.kernel("linear", n).available() is None), TOKEN_REFERENCE)
 
 
 def _candidates(
-    driver: Driver, op: str, linear: str | None, scheme: str, activations: bool = False
+    driver: Driver, op: str, linear: str | None, scheme: str, activations: str | None = None
 ) -> tuple[list[Kernel], list[str]]:
     """The kernels a plan may give ``op`` (weights in ``scheme``), and why others cannot run.
-    A kernel that quantizes its activations (``Kernel.activations``) only with
-    ``activations`` (``--quantize-activations``)."""
+    A quantized projection's kernels by how they take their activations
+    (``Kernel.activations``, ``hal.quant.kernel_activations``): as given, or quantized
+    where ``activations`` (``--quantize-activations``) says so."""
     usable: list[Kernel] = []
     notes: list[str] = []
     named = named_for(driver, linear, scheme) if hal_op(op) == "linear" else None
@@ -207,7 +228,7 @@ def _candidates(
             continue
         if kernel.fast_only:  # admitted by --mode fast's own check, never chosen here
             continue
-        if kernel.activations != "bf16" and not activations:
+        if kernel.scheme != "bf16" and kernel.activations not in kernel_activations(activations):
             continue
         why = kernel.available()
         if why is None:
@@ -218,7 +239,7 @@ def _candidates(
 
 
 def measure(
-    driver: Driver, ops: dict[str, PlanOp], linear: str | None, activations: bool = False
+    driver: Driver, ops: dict[str, PlanOp], linear: str | None, activations: str | None = None
 ) -> Recorded:
     """Each op's kernel for each row kind: of those that pass the start-up check, the fastest
     by ``_best``, timed here and now."""
@@ -249,7 +270,7 @@ def fastest(
     ops: dict[str, PlanOp],
     linear: str | None,
     fixed: dict[str, str],
-    activations: bool = False,
+    activations: str | None = None,
 ) -> tuple[dict[str, dict[str, OpChoice]], tuple[Measurement, ...]]:
     """Fast mode's kernel for each op and row kind: the fastest usable one at the op's real
     shape, timed at the kind's row counts, with no row check (fast mode keeps no bits).

@@ -29,14 +29,21 @@ INPUT_WIDTHS = ("hidden_size", "intermediate_size")  # the K of every quantized 
 
 
 def check_quantization(
-    cfg: OuroConfig, scheme: str | None, group_size: int, activations: bool = False
+    cfg: OuroConfig, scheme: str | None, group_size: int, activations: str | None = None
 ) -> str | None:
-    """Why ``scheme`` cannot quantize this model's projections (None if it can): checked
-    from config.json, before the weights load."""
+    """Why ``scheme`` (and ``activations``, ``--quantize-activations``) cannot quantize this
+    model's projections (None if they can): checked from config.json, before the weights
+    load."""
     if scheme is None:
-        if activations:
+        if activations not in (None, "none"):
             return "--quantize-activations needs --quantization (int8, int8g or int4 weights)"
         return None
+    if activations == "token" and scheme != "int8":
+        return (
+            f"--quantize-activations token (W8A8 dynamic, as vllm-ascend's) takes int8 weights "
+            f"with one scale per channel, and --quantization is {scheme}: use --quantization "
+            "int8, or --quantize-activations block"
+        )
     try:
         check_scheme(scheme, group_size)
     except ValueError as exc:
@@ -230,12 +237,16 @@ def weight_bytes(weights: dict[str, Any]) -> int:
     return sum(w.nbytes for w in checkpoint_tensors(weights).values())
 
 
-def weights_label(weights: dict, activations: bool = False) -> str:
+ACTIVATION_LABELS = {"block": " + int8 activations", "token": " + int8 activations per token"}
+
+
+def weights_label(weights: dict, activations: str | None = None) -> str:
     """How the plan names the model's weights: "bf16", "int8", "int4 (group 32)", with
     " + lm_head" where lm_head is quantized too and " + int8 activations" where kernels may
-    quantize their activations (``--quantize-activations``)."""
+    quantize their activations per block (``--quantize-activations``), " + int8 activations
+    per token" where they do per token."""
     w = weights["model.layers.0.mlp.down_proj.weight"]
     if not isinstance(w, QuantizedWeight):
         return "bf16"
     head = " + lm_head" if isinstance(weights["lm_head.weight"], QuantizedWeight) else ""
-    return describe(w.scheme, w.group_size) + head + (" + int8 activations" if activations else "")
+    return describe(w.scheme, w.group_size) + head + ACTIVATION_LABELS.get(activations or "", "")

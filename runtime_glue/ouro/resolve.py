@@ -18,6 +18,7 @@ import torch
 
 from hal.eager import TensorKVStore
 from hal.interfaces import AttentionBackend, Driver
+from hal.quant import kernel_activations
 from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import ExitMode
@@ -81,7 +82,7 @@ def resolve(
     mode: str | None = None,
     block_size: int = 128,
     remeasure: bool = False,
-    activations: bool = False,
+    activations: str | None = None,
 ) -> ExecutionPlan:
     """The plan for this model on this driver.
 
@@ -97,8 +98,9 @@ def resolve(
     checkpoint's); ``adaptive_depth`` lets exiting decode rows skip their remaining loops.
     ``remeasure``: time the kernels again and record the new choice instead of reusing the
     one recorded for this machine, shape and flags (``runtime_glue.ouro.plan_record``).
-    ``activations``: quantized projections may also run kernels that quantize their
-    activations (``--quantize-activations``; ``hal.kernels.Kernel.activations``).
+    ``activations``: how quantized projections may take their activations
+    (``--quantize-activations``: None as given; "block" also per block of 32; "token" per
+    token, always; ``hal.quant.kernel_activations``).
     """
     exits = _exit_defaults(cfg, exit_at_step, exit_threshold)
     deterministic = mode_to_deterministic(mode, deterministic)
@@ -106,11 +108,16 @@ def resolve(
     if linear is not None:
         named = driver.kernel("linear", linear)
         scheme = named.scheme
-        if named.activations != "bf16" and not activations:
+        allowed = kernel_activations(activations)
+        if named.scheme != "bf16" and named.activations not in allowed:
+            mode = {"int8": "block", "int8-token": "token"}.get(named.activations)
             raise ValueError(
-                f"--linear {linear} quantizes its activations ({named.description}): add "
-                "--quantize-activations"
-            )
+                f"--linear {linear} "
+                + (f"quantizes its activations ({named.description}): add "
+                   f"--quantize-activations {mode}" if mode else
+                   f"takes its activations as given, and --quantize-activations {activations} "
+                   "quantizes every projection's")
+            )  # fmt: skip
         if scheme not in ("bf16", *schemes.values()):
             raise ValueError(
                 f"--linear {linear} takes {scheme} weights, and this model's projections are "
@@ -169,21 +176,25 @@ def _resolve_kernels(
     if want is None:
         want = backend.supports_deterministic and backend.deterministic_by_default
     if not want:
-        return _exact_plan(driver, backend, linear, op_schemes(weights))
+        return _exact_plan(driver, backend, linear, op_schemes(weights), activations)
     try:
         return _deterministic_plan(driver, backend, cfg, weights, linear, remeasure, activations)
     except DeterminismUnavailable as exc:
         if deterministic:
             raise
         logger.warning("deterministic mode is off by default here: %s", exc)
-        plan = _exact_plan(driver, backend, linear, op_schemes(weights))
+        plan = _exact_plan(driver, backend, linear, op_schemes(weights), activations)
         return attrs.evolve(plan, notes=(f"deterministic mode is off: {exc}",))
 
 
 def _exact_plan(
-    driver: Driver, backend: AttentionBackend, linear: str | None, schemes: dict[str, str]
+    driver: Driver,
+    backend: AttentionBackend,
+    linear: str | None,
+    schemes: dict[str, str],
+    activations: str | None = None,
 ) -> ExecutionPlan:
-    names = {op: plain_linear(driver, linear, schemes[op]) for op in LINEAR_OPS}
+    names = {op: plain_linear(driver, linear, schemes[op], activations) for op in LINEAR_OPS}
     exact = backend.hf_exact and all(driver.kernel("linear", n).hf_exact for n in names.values())
     ops = tuple((op, OpChoice(names.get(op, "torch"))) for op in OPS)
     mode = "hf-exact" if exact else "fast"

@@ -16,6 +16,13 @@
  * column-invariant by construction. Decode is bound by the integer dot products, which take
  * about half the instructions of widening each weight to fp32 (linear_quant_avx2.c), and by
  * how the weights stream in: each thread reads its rows in order (see linear_a8).
+ *
+ * Per token (linear_token: vllm-ascend's W8A8 dynamic, npu_dynamic_quant then
+ * npu_quant_matmul; hal.quant.token_linear is the reference): each row of x quantized with one
+ * scale as CANN's DynamicQuant does, inv = 127 / amax, q = nearest-even(x * inv), d = 1 / inv
+ * in fp32; the integer dot products summed in
+ * int32 lanes over the whole row (exact, so in any order), then y = bf16((float(acc) *
+ * scale[n]) * d[m]).
  */
 #include "bf16.h"
 #include "rlt_cpu.h"
@@ -254,6 +261,102 @@ static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, ui
             } else {
                 rows4(xb, sb, db, ldq, mb, wn, sn, 1, K, group, yb, N);
             }
+        }
+    }
+    free(xq);
+    free(d);
+    return 0;
+}
+
+/* Per token: one row quantized with one scale (see the top), xq [ldq] zero-padded; a row of
+ * zeros gives q = 0 and d = 0. */
+static void quantize_row_token(const uint16_t *x, int K, int ldq, int8_t *xq, float *d) {
+    float amax = 0.0f;
+    for (int k = 0; k < K; k++) {
+        float v = fabsf(bf16_to_f32(x[k]));
+        amax = v > amax ? v : amax;
+    }
+    float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+    *d = amax != 0.0f ? 1.0f / inv : 0.0f;
+    for (int k = 0; k < ldq; k++) xq[k] = k < K ? (int8_t)nearbyintf(bf16_to_f32(x[k]) * inv) : 0;
+}
+
+INLINE int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Per token: one int8 weight row (scale s) against mb input rows, row8's dot products summed
+ * in int32 lanes. */
+INLINE void row8_token(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
+                       const int8_t *w, float s, int K, uint16_t *y, int ldy, int full) {
+    int nblk = K / QB;
+    __m256i acc[MB];
+    for (int j = 0; j < MB; j++) acc[j] = _mm256_setzero_si256();
+    for (int b = 0; b < nblk; b++) {
+        if (b % 2 == 0) _mm_prefetch((const char *)(w + b * QB) + PREFETCH, _MM_HINT_T0);
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QB));
+        __m256i aw = full ? _mm256_abs_epi8(wv) : wv;
+        for (int j = 0; j < mb; j++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * ldq + b * QB));
+            __m256i lanes;
+            if (full) {
+                lanes = dot32(aw, xv, wv);
+            } else {
+                const __m256i *a = (const __m256i *)(xa + (size_t)j * ldq + b * QB);
+                lanes = dot32(_mm256_loadu_si256(a), wv, xv);
+            }
+            acc[j] = _mm256_add_epi32(acc[j], lanes);
+        }
+    }
+    for (int j = 0; j < mb; j++) {
+        const int8_t *xj = xq + (size_t)j * ldq;
+        int32_t t = hsum_epi32(acc[j]);
+        for (int k = nblk * QB; k < K; k++) t += xj[k] * w[k];
+        y[(size_t)j * ldy] = f32_to_bf16(((float)t * s) * d[j]);
+    }
+}
+
+int rlt_linear_int8_token_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
+                               uint16_t *y, int M, int N, int K, int full) {
+    int ldq = (K + QB - 1) / QB * QB;
+    int8_t *xq = malloc((size_t)M * ldq * 2);
+    float *d = malloc((size_t)M * sizeof(float));
+    if (!xq || !d) {
+        free(xq);
+        free(d);
+        return -1;
+    }
+    int8_t *xa = xq + (size_t)M * ldq;
+    for (int m = 0; m < M; m++) {
+        int8_t *q = xq + (size_t)m * ldq;
+        quantize_row_token(x + (size_t)m * K, K, ldq, q, d + m);
+        if (!full)
+            for (int b = 0; b < ldq; b += QB) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(q + b));
+                _mm256_storeu_si256((__m256i *)(xa + (size_t)m * ldq + b), _mm256_abs_epi8(v));
+            }
+    }
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int8_t *wr = w + (size_t)n * K;
+        float s = bf16_to_f32(scale[n]);
+        for (int j0 = 0; j0 < M; j0 += MB) {
+            int mb = M - j0 < MB ? M - j0 : MB;
+            const int8_t *xb = xq + (size_t)j0 * ldq, *ab = xa + (size_t)j0 * ldq;
+            uint16_t *yb = y + (size_t)j0 * N + n;
+#define ROWT(FULL)                                                                        \
+    if (mb == MB) row8_token(xb, ab, d + j0, ldq, MB, wr, s, K, yb, N, FULL);              \
+    else if (mb == 1) row8_token(xb, ab, d + j0, ldq, 1, wr, s, K, yb, N, FULL);           \
+    else row8_token(xb, ab, d + j0, ldq, mb, wr, s, K, yb, N, FULL);
+            if (full) {
+                ROWT(1)
+            } else {
+                ROWT(0)
+            }
+#undef ROWT
         }
     }
     free(xq);

@@ -39,6 +39,10 @@ int rlt_linear_int8g_avx2(const uint16_t *x, const int8_t *w, const uint16_t *sc
                           int M, int N, int K, int group);
 int rlt_linear_int8g_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
                              uint16_t *y, int M, int N, int K, int group, int full);
+/* W8A8 dynamic (vllm-ascend's): x quantized per row with one scale, exact int32 sums, then
+ * y = bf16((float(acc) * scale[n]) * d[m]) (hal.quant.token_linear); K below 132104. */
+int rlt_linear_int8_token_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
+                               uint16_t *y, int M, int N, int K, int full);
 
 /* Deterministic attention over one plane of the paged cache (see attention.c). */
 int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16_t *k,

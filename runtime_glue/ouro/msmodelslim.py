@@ -1,0 +1,239 @@
+"""Quantized checkpoints made by Huawei's msModelSlim for Ascend (vllm-ascend's ``--quantization
+ascend``): a ``quant_model_description.json`` beside the safetensors maps every tensor to its
+layer's type ("W8A16", "W8A8_DYNAMIC", ..., "FLOAT" for one kept in floating point), and
+``config.json`` carries no ``quantization_config`` (msModelSlim removes it).
+
+A quantized Linear module ``M`` holds (msModelSlim's AscendV1 saver, as vllm-ascend's
+``w8a16.py`` and ``w8a8_dynamic.py`` read them):
+
+- ``M.weight``: int8 ``[N, K]``;
+- ``M.weight_scale``: ``[N, 1]`` (W8A16 per group: ``[N, K / group_size]``, the description's
+  ``group_size``), stored in float32 and loaded into a bf16 model's parameters as vllm-ascend
+  does: rounded to bf16;
+- ``M.weight_offset``: the same shape; zeros for W8A8_DYNAMIC (the saver writes zeros) and for
+  a symmetric W8A16. A nonzero offset (asymmetric W8A16) is refused by name.
+
+Arithmetic: W8A16 is ``x @ (q * scale).T`` (``hal.quant``'s int8, or int8g per group); W8A8
+dynamic quantizes each row of ``x`` with one scale (``torch_npu.npu_dynamic_quant``) and sums
+integer products (``npu_quant_matmul`` with per-channel and per-token scales):
+``hal.quant.token_linear``, what ``--quantize-activations token`` runs. Every projection of
+every layer must have the same type; everything else (embedding, norms, the exit gate,
+lm_head) must be "FLOAT". W8A8 static (``input_scale``, ``input_offset``, ``quant_bias``,
+``deq_scale``) and the other types are refused by name before a weight loads.
+
+:func:`write` makes such checkpoints from rlt-hal's own int8 quantization (``rlt-hal
+quantize --format msmodelslim``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from hal.interfaces import Device
+from hal.quant import QuantizedWeight, from_integers
+from runtime_glue.ouro.checkpoint import (
+    CheckpointError,
+    TensorEntry,
+    expected_tensors,
+    index_checkpoint,
+    read_tensor,
+    validate,
+)
+from runtime_glue.ouro.compressed import MSMODELSLIM_DESCRIPTION as DESCRIPTION
+from runtime_glue.ouro.compressed import (
+    TOKENIZER_FILES,
+    CheckpointQuantization,
+    _kernel_group,
+)
+from runtime_glue.ouro.config import OuroConfig
+from runtime_glue.ouro.quantize import checkpoint_tensors, place
+
+METHOD = "msModelSlim"
+WEIGHTS_FILE = "quant_model_weights.safetensors"  # the AscendV1 saver's name
+TYPES = ("W8A16", "W8A8_DYNAMIC")  # what rlt-hal runs
+STATIC = "W8A8"
+WHAT_WORKS = (
+    "rlt-hal loads msModelSlim W8A16 (per channel or group) and W8A8_DYNAMIC checkpoints with "
+    "symmetric weights (zero weight_offset) and every projection of one type"
+)
+
+
+def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuantization:
+    """The checkpoint's quantization from its description alone; a type rlt-hal does not run is
+    a one-line error naming it, the file and what works."""
+    path = Path(model_dir) / DESCRIPTION
+    try:
+        description = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot be read as JSON ({exc})") from exc
+    if not isinstance(description, dict):
+        raise CheckpointError(f"{path}: is not a JSON object of tensor names and types")
+
+    def refuse(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}; {WHAT_WORKS}")
+
+    types: dict[str, str] = {}
+    for name in expected_tensors(cfg):
+        if not name.endswith(".weight"):
+            continue
+        if name not in description:
+            raise refuse(f"has no entry for {name!r} (every Linear's weight needs one)")
+        types[name] = str(description[name])
+    projections = [n for n in types if n.endswith("_proj.weight")]
+    kind = types[projections[0]]
+    if kind == STATIC:
+        raise refuse(
+            f"{projections[0]!r} is W8A8 (static: per-tensor input_scale and input_offset, "
+            "quant_bias, deq_scale), which is not supported yet"
+        )
+    if kind not in TYPES:
+        raise refuse(f"{projections[0]!r} is {kind}, which is not supported")
+    other = next((n for n in projections if types[n] != kind), None)
+    if other is not None:
+        raise refuse(
+            f"{other!r} is {types[other]} and {projections[0]!r} {kind}: rlt-hal runs every "
+            "layer's projections in one scheme"
+        )
+    kept = next((n for n in types if n not in projections and types[n] != "FLOAT"), None)
+    if kept is not None:
+        raise refuse(f"{kept!r} is {types[kept]}; only the layers' projections may be quantized")
+    group = int(description.get("group_size") or 0)
+    widths = (cfg.hidden_size, cfg.intermediate_size)
+    if group and kind == "W8A16":
+        kernel_group = _kernel_group(group, widths)
+        if kernel_group is None:
+            raise refuse(
+                f"group_size {group} on input widths {widths}: the kernels need groups of 32, "
+                "64 or 128 dividing them"
+            )
+        return CheckpointQuantization(
+            kind, "int8g", kernel_group, group, False, False, method=METHOD
+        )
+    return CheckpointQuantization(
+        kind,
+        "int8",
+        None,
+        None,
+        False,
+        False,
+        method=METHOD,
+        activations="token" if kind == "W8A8_DYNAMIC" else None,
+    )
+
+
+def expected(cfg: OuroConfig, cq: CheckpointQuantization) -> dict[str, tuple[tuple, tuple]]:
+    """Name -> (shape, allowed safetensors dtypes) of every tensor the checkpoint holds."""
+    out: dict[str, tuple[tuple, tuple]] = {}
+    scale_dtypes = ("F32", "BF16", "F16")
+    for name, shape in expected_tensors(cfg).items():
+        module = name.rsplit(".", 1)[0]
+        if not name.endswith("_proj.weight"):
+            out[name] = (shape, ("BF16",))
+            continue
+        n, k = shape
+        scales = (n, 1 if cq.stored_group is None else k // cq.stored_group)
+        out[name] = ((n, k), ("I8",))
+        out[module + ".weight_scale"] = (scales, scale_dtypes)
+        out[module + ".weight_offset"] = (scales, scale_dtypes)
+    return out
+
+
+def load(
+    model_dir: str | Path,
+    cfg: OuroConfig,
+    cq: CheckpointQuantization,
+    device: Device,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The checkpoint's weights in ``hal.quant``'s layout (int8 or int8g projections, the
+    rest bf16), in one buffer from ``device.alloc_weights``, one tensor read at a time."""
+    entries = index_checkpoint(model_dir)
+    validate(entries, cfg, model_dir, expected(cfg, cq))
+    shapes = expected_tensors(cfg)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(shapes), desc="loading weights", unit="tensor")
+
+    def made(name: str) -> Any:
+        if name.endswith("_proj.weight"):
+            w: Any = _quantized_weight(entries, name[: -len(".weight")], shapes[name], cq)
+        else:
+            w = read_tensor(entries[name])
+        if bar is not None:
+            bar.update()
+        return w
+
+    weights = place(cfg, cq.scheme, cq.group_size, False, made, device)
+    if bar is not None:
+        bar.close()
+    return weights
+
+
+def _quantized_weight(
+    entries: dict[str, TensorEntry], module: str, shape: tuple, cq: CheckpointQuantization
+) -> QuantizedWeight:
+    n, k = shape
+    offset_entry = entries[module + ".weight_offset"]
+    if bool(read_tensor(offset_entry).ne(0).any()):
+        raise CheckpointError(
+            f"{offset_entry.file}: tensor {offset_entry.name!r} is not zero: asymmetric weights "
+            f"are not supported yet; {WHAT_WORKS}"
+        )
+    scale = read_tensor(entries[module + ".weight_scale"]).bfloat16()  # as vllm-ascend loads it
+    q = read_tensor(entries[module + ".weight"])
+    if cq.scheme == "int8":
+        return from_integers(q, scale[:, 0], "int8")
+    assert cq.group_size is not None  # int8g has one
+    scale = scale.repeat_interleave(k // cq.group_size // scale.shape[1], dim=1)
+    return from_integers(q, scale, "int8g", cq.group_size)
+
+
+def write(
+    src: str | Path, dst: str | Path, weights: dict[str, Any], kind: str, group_size: int
+) -> Path:
+    """An msModelSlim checkpoint (the AscendV1 layout) of ``kind`` ("W8A16" or
+    "W8A8_DYNAMIC") in ``dst``: ``weights`` as ``quantize.quantize_weights`` gave them (int8
+    per channel; W8A16 also int8g per group), beside ``src``'s config.json (without a
+    ``quantization_config``) and tokenizer."""
+    if kind not in TYPES:
+        raise ValueError(f"msModelSlim type must be one of {', '.join(TYPES)}, got {kind!r}")
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    description: dict[str, Any] = {"model_quant_type": kind, "version": "1.0.0", "group_size": 0}
+    for name, w in checkpoint_tensors(weights).items():
+        if not isinstance(w, QuantizedWeight):
+            out[name] = w.contiguous()
+            description[name] = "FLOAT"
+            continue
+        if name == "lm_head.weight" or w.scheme not in ("int8", "int8g"):
+            raise ValueError(f"msModelSlim {kind} holds int8 projections, got {name} {w.scheme}")
+        if w.scheme == "int8g" and kind != "W8A16":
+            raise ValueError(f"{kind} takes one scale per channel (int8), not per group")
+        module = name[: -len(".weight")]
+        n = w.shape[0]
+        scale = w.scale.float().view(n, -1)
+        if w.scheme == "int8g":
+            description["group_size"] = group_size
+        out[name] = w.qweight.contiguous()
+        out[module + ".weight_scale"] = scale.contiguous()
+        out[module + ".weight_offset"] = torch.zeros_like(scale)
+        for part in (name, module + ".weight_scale", module + ".weight_offset"):
+            description[part] = kind
+    save_file(out, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
+    (dst / DESCRIPTION).write_text(json.dumps(description, indent=2))
+    config = json.loads((Path(src) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in TOKENIZER_FILES:
+        if (Path(src) / f).is_file():
+            shutil.copy2(Path(src) / f, dst / f)
+    return dst
