@@ -205,12 +205,15 @@ def plain_linear(
         return "torch"
     if activations != "token":
         return f"{scheme}-dequant"
-    own = [
+    own = (
         k.name
         for k in driver.kernels_for("linear", scheme)
-        if k.activations == "int8-token" and not k.fast_only and k.name != TOKEN_REFERENCE
-    ]
-    return next((n for n in own if driver.kernel("linear", n).available() is None), TOKEN_REFERENCE)
+        if k.activations == "int8-token"
+        and not k.fast_only
+        and k.name != TOKEN_REFERENCE
+        and k.available() is None
+    )
+    return next(own, TOKEN_REFERENCE)
 
 
 def _candidates(
