@@ -24,9 +24,9 @@ from runtime_glue.engine.tokenizer import load_tokenizer
 from runtime_glue.engine.weights import (
     check_weights_fit,
     load_model_weights,
+    read_stored_quantization,
     with_stored_quantization,
 )
-from runtime_glue.ouro.compressed import read_quantization
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
@@ -126,7 +126,7 @@ class LLM:
         self.config = OuroConfig.from_dir(model_dir)
         # A checkpoint quantized elsewhere (compressed-tensors) runs as if its scheme had
         # been asked for: every check and refusal of --quantization applies to it.
-        stored = read_quantization(model_dir, self.config)
+        stored = read_stored_quantization(model_dir, self.config)
         if stored is not None:
             args = with_stored_quantization(args, stored)
         self.args, self.model_dir, self.stored_quantization = args, model_dir, stored

@@ -11,11 +11,19 @@ import attrs
 
 from hal.interfaces import Device
 from runtime_glue.engine.args import EngineArgs
+from runtime_glue.ouro import compressed, msmodelslim
 from runtime_glue.ouro.checkpoint import load_weights
 from runtime_glue.ouro.compressed import CheckpointQuantization
-from runtime_glue.ouro.compressed import load as load_compressed
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.quantize import expected_weight_bytes, quantize_weights
+
+
+def read_stored_quantization(model_dir: Path, cfg: OuroConfig) -> CheckpointQuantization | None:
+    """How the checkpoint is quantized (None: bf16): msModelSlim's description, else
+    compressed-tensors' config.json; a scheme rlt-hal does not run is a one-line error."""
+    if msmodelslim.is_msmodelslim(model_dir):
+        return msmodelslim.read_quantization(model_dir, cfg)
+    return compressed.read_quantization(model_dir, cfg)
 
 
 def with_stored_quantization(args: EngineArgs, stored: CheckpointQuantization) -> EngineArgs:
@@ -66,7 +74,8 @@ def load_model_weights(
     """The checkpoint's weights on ``device``: as stored (``stored``: compressed-tensors or
     msModelSlim), or bf16 quantized at load in ``args.quantization`` where asked."""
     if stored is not None:
-        return load_compressed(model_dir, cfg, stored, device, progress)
+        fmt = msmodelslim if stored.method == msmodelslim.METHOD else compressed
+        return fmt.load(model_dir, cfg, stored, device, progress)
     weights = load_weights(model_dir, cfg, device, progress=progress)
     if args.quantization is None:
         return weights

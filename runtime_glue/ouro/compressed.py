@@ -54,7 +54,6 @@ from runtime_glue.ouro.quantize import checkpoint_tensors, place
 METHOD = "compressed-tensors"
 FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # int-: naive's layout
 BITS = (8, 4)
-MSMODELSLIM_DESCRIPTION = "quant_model_description.json"
 WHAT_WORKS = (
     "rlt-hal loads compressed-tensors W8A16 and W4A16 checkpoints (int8 or int4, per channel "
     "or per group, symmetric), or quantizes a bf16 checkpoint at load (--quantization "
@@ -96,11 +95,6 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     scheme rlt-hal does not run is a one-line error naming it, the file and what works."""
     path = Path(model_dir) / "config.json"
     qc = json.loads(path.read_text()).get("quantization_config")
-    if (Path(model_dir) / MSMODELSLIM_DESCRIPTION).is_file():
-        # msModelSlim's, whatever config.json says (as vllm-ascend detects it)
-        from runtime_glue.ouro import msmodelslim
-
-        return msmodelslim.read_quantization(model_dir, cfg)
     if not qc:
         return None
 
@@ -137,20 +131,20 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     if w.get("dynamic"):
         raise refuse(f"dynamic weight quantization (config group {name!r}) is not supported")
     widths = (cfg.hidden_size, cfg.intermediate_size)
-    kernel_group: int | None = None
+    kernels: int | None = None  # the kernels' group
     if strategy == "channel":
         stored, scheme = None, "int8" if bits == 8 else "int4"
         if scheme == "int4":
-            kernel_group = _kernel_group(None, widths)
+            kernels = kernel_group(None, widths)
     elif strategy == "group":
         stored, scheme = int(w.get("group_size") or 0), "int8g" if bits == 8 else "int4"
-        kernel_group = _kernel_group(stored, widths)
+        kernels = kernel_group(stored, widths)
     else:
         raise refuse(
             f"{bits}-bit weights with strategy {strategy!r} (config group {name!r}) are not "
             "supported"
         )
-    if scheme != "int8" and kernel_group is None:
+    if scheme != "int8" and kernels is None:
         per = "one scale per channel" if stored is None else f"group size {stored}"
         raise refuse(
             f"{bits}-bit weights with {per} on input widths {widths}: the kernels need groups "
@@ -169,7 +163,7 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     return CheckpointQuantization(
         fmt,
         scheme,
-        kernel_group,
+        kernels,
         stored,
         flags["lm_head"],
         flags["model.early_exit_gate"],
@@ -198,7 +192,7 @@ def _activations(a: dict | None, bits: Any, strategy: Any) -> str | None:
     return "token"
 
 
-def _kernel_group(stored: int | None, widths: tuple[int, ...]) -> int | None:
+def kernel_group(stored: int | None, widths: tuple[int, ...]) -> int | None:
     """The kernels' group for a checkpoint's (None: one scale per channel): the largest
     group they run that divides every input width and the checkpoint's own, which must be it
     or a multiple of 128 (the scales then repeat: the same values); None if there is none."""
@@ -288,10 +282,6 @@ def load(
     scheme: quantized projections (stacked ones once, members as row slices), lm_head if
     quantized, everything else bf16, in one buffer from ``device.alloc_weights``. (An
     msModelSlim checkpoint: ``runtime_glue.ouro.msmodelslim.load``.)"""
-    if cq.method != METHOD:
-        from runtime_glue.ouro import msmodelslim
-
-        return msmodelslim.load(model_dir, cfg, cq, device, progress)
     entries = index_checkpoint(model_dir)
     validate(entries, cfg, model_dir, expected(cfg, cq))
     shapes = expected_tensors(cfg)

@@ -45,16 +45,12 @@ from runtime_glue.ouro.checkpoint import (
     read_tensor,
     validate,
 )
-from runtime_glue.ouro.compressed import MSMODELSLIM_DESCRIPTION as DESCRIPTION
-from runtime_glue.ouro.compressed import (
-    TOKENIZER_FILES,
-    CheckpointQuantization,
-    _kernel_group,
-)
+from runtime_glue.ouro.compressed import TOKENIZER_FILES, CheckpointQuantization, kernel_group
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.quantize import checkpoint_tensors, place
 
 METHOD = "msModelSlim"
+DESCRIPTION = "quant_model_description.json"
 WEIGHTS_FILE = "quant_model_weights.safetensors"  # the AscendV1 saver's name
 TYPES = ("W8A16", "W8A8_DYNAMIC")  # what rlt-hal runs
 STATIC = "W8A8"
@@ -62,6 +58,12 @@ WHAT_WORKS = (
     "rlt-hal loads msModelSlim W8A16 (per channel or group) and W8A8_DYNAMIC checkpoints with "
     "symmetric weights (zero weight_offset) and every projection of one type"
 )
+
+
+def is_msmodelslim(model_dir: str | Path) -> bool:
+    """Whether the checkpoint is msModelSlim's (its description beside it, whatever
+    config.json says: vllm-ascend detects it so)."""
+    return (Path(model_dir) / DESCRIPTION).is_file()
 
 
 def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuantization:
@@ -106,15 +108,13 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     group = int(description.get("group_size") or 0)
     widths = (cfg.hidden_size, cfg.intermediate_size)
     if group and kind == "W8A16":
-        kernel_group = _kernel_group(group, widths)
-        if kernel_group is None:
+        kernels = kernel_group(group, widths)
+        if kernels is None:
             raise refuse(
                 f"group_size {group} on input widths {widths}: the kernels need groups of 32, "
                 "64 or 128 dividing them"
             )
-        return CheckpointQuantization(
-            kind, "int8g", kernel_group, group, False, False, method=METHOD
-        )
+        return CheckpointQuantization(kind, "int8g", kernels, group, False, False, method=METHOD)
     return CheckpointQuantization(
         kind,
         "int8",
