@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # without CANN by make test-torch-npu).
 TORCH_NPU_PIN ?= torch-npu==2.13.0
 
-.PHONY: setup test test-floors test-torch-npu test-ray test-clients test-compressed lint run serve clean
+.PHONY: setup test test-slow test-floors test-torch-npu test-ray test-clients test-compressed lint run serve clean
 
 $(STAMP): pyproject.toml examples/rlt-hal-acme/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,16 +36,23 @@ AVX2_DISPATCH := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 # idle through Python, server start-ups and GEMMs too small to split). The rerun under AVX2
 # dispatch keeps torch's own thread count, so the multi-threaded GEMM paths are tested too.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 
+# Two tiers: make test (about 10 minutes on 2 idle cores) and make test-slow (the
+# realistic-width configs, the benches, training, server fuzzing and timing, and each test
+# that takes 5 s or more where a faster one checks the same guarantee: tests/conftest.py,
+# SLOW_MODULES and SLOW_TESTS). CI runs both (.ci/run).
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
-		--dist loadgroup
-	$(AVX2_DISPATCH) $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_deterministic.py \
-		tests/test_engine.py -k "not npu"
-	$(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing --rlt-driver cpu \
-		--rlt-driver acme
-	RLT_HAL_NPU_EMULATE=1 $(BIN)/python -m pytest -q -p no:cacheprovider --pyargs hal.testing \
-		--rlt-driver npu
+	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	$(AVX2_DISPATCH) $(PYTEST) tests/test_deterministic.py tests/test_engine.py -k "not npu" \
+		-m "not slow"
+	$(PYTEST) --pyargs hal.testing --rlt-driver cpu --rlt-driver acme
+	RLT_HAL_NPU_EMULATE=1 $(PYTEST) --pyargs hal.testing --rlt-driver npu
+
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m slow
+	$(AVX2_DISPATCH) $(PYTEST) tests/test_deterministic.py tests/test_engine.py -k "not npu" \
+		-m slow
 
 # The lowest versions pyproject.toml allows of the libraries whose APIs the runtime and the
 # HF-module reference depend on, in a venv of their own: the tests that use them must pass.

@@ -32,7 +32,73 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("driver_name", names, ids=ids)
 
 
+# The second tier (``make test-slow``; CI runs both, make test runs the rest): the
+# realistic-width ("wide-*") configs, the modules that train a checkpoint, run the benches or
+# fuzz and time servers, and each test that took 5 s or more on the 2-core Zen 1 machine
+# (call or setup, 2026-12-06) where a faster test of the same guarantee stays in make test.
+SLOW_MODULES = {
+    "test_acceptance",
+    "test_bench",
+    "test_kv_sharing_bench",
+    "test_server_fuzz",
+    "test_server_lifecycle",
+    "test_trained",
+}
+SLOW_TESTS = {
+    "test_checkpoint.py::test_processes_that_write_the_embedded_checkpoint_together_all_get_a_whole_one",
+    "test_cli.py::test_generate_json_reports_the_same_tokens_as_the_python_api",
+    "test_cli.py::test_run_uses_the_embedded_random_checkpoint_and_says_so",
+    "test_conformance_kit.py::test_the_example_driver_is_selected_with_vllm_rlt_device",
+    "test_conformance_kit.py::test_the_example_driver_passes_the_kit",
+    "test_exits.py::test_a_batch_mixing_modes_keeps_each_requests_own",
+    "test_exits.py::test_generate_shows_each_tokens_exit_loop_as_the_api_numbers_it",
+    "test_kv_sharing_server.py::test_a_sharing_server_serves_four_long_generations_at_once_without_preemption",
+    "test_npu_driver.py::test_everything_the_emulated_driver_reports_says_emulated",
+    "test_npu_driver.py::test_probing_listing_and_selecting_cpu_never_import_torch_npu",
+    "test_npu_fused.py::test_bench_ops_counts_fast_and_exact_plans_on_the_emulated_npu",
+    "test_npu_fused.py::test_rlt_hal_plan_shows_each_admission",
+    "test_npu_fused.py::test_the_acceptance_fast_plan_part_fails_when_the_device_admits_nothing",
+    "test_parity_locator.py::test_the_cli_reports_json_and_exits_zero_when_equal",
+    "test_plan_record.py::test_two_cpu_engines_agree_when_the_first_chose_its_kernels_on_a_busy_machine",
+    "test_prefix_cache.py::test_the_server_shares_prefixes_preempts_and_shows_both_in_its_metrics",
+    "test_registry.py::test_a_broken_plug_in_is_listed_with_its_error_and_the_others_still_work",
+    "test_sampling_stage.py::test_json_schema_outputs_always_parse_and_validate_while_sampling",
+    "test_server.py::test_an_api_key_is_required_when_configured",
+    "test_server.py::test_sigterm_finishes_in_flight_requests_and_exits_zero",
+    "test_server_structured.py::test_on_the_default_model_parse_and_a_required_call_succeed_every_time",
+    "test_speculative.py::test_a_speculative_server_answers_as_plain_decoding_and_counts_its_drafts",
+    "test_speculative.py::test_bench_speculative_counts_host_calls_per_token_under_step_graphs",
+    "test_speculative.py::test_bench_speculative_reports_the_grid_against_plain_decoding",
+    "test_speculative.py::test_in_hf_exact_mode_speculation_keeps_the_batching_tolerance",
+    "test_step_graphs.py::test_replay_equals_eager_across_preemption",
+}
+
+
+def _slow(item) -> bool:
+    module = item.module.__name__.rsplit(".", 1)[-1]
+    return (
+        module in SLOW_MODULES
+        or f"{module}.py::{item.originalname}" in SLOW_TESTS
+        or "wide-" in item.name
+    )
+
+
+def _mark_slow(items) -> None:
+    """Mark the second tier ``slow``; with the whole suite collected, a name in SLOW_TESTS or
+    SLOW_MODULES that matches nothing is an error (a renamed test would leave the tier)."""
+    seen: set[str] = set()
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        seen.update((module, f"{module}.py::{item.originalname}"))
+        if _slow(item):
+            item.add_marker(pytest.mark.slow)
+    stale = (SLOW_MODULES | SLOW_TESTS) - seen
+    if len({i.module.__name__ for i in items}) > 40 and stale:
+        raise pytest.UsageError(f"tests/conftest.py names tests that do not exist: {sorted(stale)}")
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_slow(items)
     for flag, marker in (("--run-npu", "npu"), ("--run-cuda", "cuda")):
         if config.getoption(flag):
             continue

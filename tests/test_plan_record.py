@@ -161,7 +161,6 @@ def test_the_start_up_lines_say_where_the_choice_is_kept_and_whether_it_was_meas
 _BURN = "import time\nend = time.time() + 120\nwhile time.time() < end: pass\n"
 
 
-@pytest.mark.slow
 def test_two_cpu_engines_agree_when_the_first_chose_its_kernels_on_a_busy_machine(
     checkpoints, monkeypatch, tmp_path
 ):
