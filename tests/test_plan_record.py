@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 import torch.nn.functional as F
 
