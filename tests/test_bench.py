@@ -91,6 +91,23 @@ def test_bench_serve_drives_a_real_server_with_zero_errors(tmp_path, tiny_ckpt):
     assert table.startswith("plan: the server's (its start-up lines name it)\n")
 
 
+def test_bench_serve_names_a_model_the_server_lacks_and_fails_when_every_request_does(
+    tiny_ckpt, capsys
+):
+    from runtime_glue.cli.main import main
+
+    server = ServerProcess(tiny_ckpt)
+    base = ["bench", "serve", "--url", server.base + "/v1", "--num-requests", "2"]
+    try:
+        assert main([*base, "--model", "foo"]) == 2
+        assert "--model 'foo': the server at" in capsys.readouterr().err
+        assert main([*base, "--input-len", "100000", "--output-len", "2"]) == 1  # all 400s
+    finally:
+        server.stop()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("rlt-hal: error: every request failed (e.g. HTTP 400")
+
+
 def test_bench_serve_shared_prefix_runs_unshared_then_shared(tmp_path, tiny_ckpt):
     server = ServerProcess(tiny_ckpt)
     try:

@@ -28,6 +28,50 @@ def test_toy_checkpoint_writes_the_hf_layout_with_a_chatml_tokenizer(tmp_path):
     assert llm.tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
 
 
+def test_a_checkpoint_is_never_written_over_another_or_beside_other_files_unless_forced(
+    tmp_path, capsys
+):
+    """toy-checkpoint and quantize into a directory that is not empty: a one-line error, exit
+    2, nothing touched; with --force, written."""
+    from runtime_glue.cli.main import main
+
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "config.json").write_text('{"precious": true}')
+    (target / "notes.txt").write_text("keep")
+    assert main(["toy-checkpoint", str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "exists and is not empty (config.json, notes.txt)" in err and "--force" in err
+    assert "\n" not in err
+    assert json.loads((target / "config.json").read_text()) == {"precious": True}
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "notes.txt"]
+    src = tmp_path / "src"
+    assert main(["toy-checkpoint", str(src)]) == 0
+    assert main(["quantize", str(src), str(target), "--scheme", "w8a16"]) == 2
+    assert "rlt-hal quantize writes a new directory" in capsys.readouterr().err
+    assert main(["toy-checkpoint", str(target), "--force"]) == 0
+    assert json.loads((target / "config.json").read_text())["model_type"] == "ouro"
+    assert (target / "notes.txt").read_text() == "keep"
+    assert main(["toy-checkpoint", str(tmp_path / "new" / "dir")]) == 0  # created
+    (tmp_path / "file").write_text("x")
+    assert main(["toy-checkpoint", str(tmp_path / "file")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_bench_serve_without_a_server_or_a_scheme_is_one_line_and_exits_non_zero(
+    free_tcp_port, capsys
+):
+    from runtime_glue.cli.main import main
+
+    base = ["bench", "serve", "--num-requests", "1", "--url"]
+    assert main([*base, f"http://127.0.0.1:{free_tcp_port}/v1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlt-hal: error: --url http://127.0.0.1:")
+    assert "no OpenAI-compatible server answers there (ConnectError" in err and "\n" not in err
+    assert main([*base, f"127.0.0.1:{free_tcp_port}/v1"]) == 2
+    assert "has no scheme: give it as http://HOST:PORT/v1" in capsys.readouterr().err
+
+
 def test_generate_json_reports_the_same_tokens_as_the_python_api(tiny_ckpt):
     proc = rlt_hal(
         "generate",

@@ -328,7 +328,7 @@ def cmd_kv_sharing(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from runtime_glue.bench.serve_bench import markdown_serve, serve
+    from runtime_glue.bench.serve_bench import failed_everywhere, markdown_serve, serve
 
     report = serve(
         args.url,
@@ -340,4 +340,11 @@ def cmd_serve(args) -> int:
         args.shared_prefix_len,
     )
     plan = "plan: the server's (its start-up lines name it)"
-    return _emit(args, report, markdown_serve(report), [plan])
+    code = _emit(args, report, markdown_serve(report), [plan])
+    if failed_everywhere(report):
+        first = report["levels"][0]
+        sample = (first.get("unshared") or first)["error_samples"][:1]
+        print(f"rlt-hal: error: every request failed (e.g. {sample[0] if sample else '?'})",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return code

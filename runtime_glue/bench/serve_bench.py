@@ -139,6 +139,40 @@ def _shared_prefix_level(
     return level
 
 
+def _served_model(url: str, model: str | None) -> str:
+    """``model``, or the server's first, after asking its /v1/models: a URL without a scheme,
+    no server there or a model it does not serve is a one-line error."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url {url!r} has no scheme: give it as http://HOST:PORT/v1")
+    try:
+        r = httpx.get(url + "/v1/models", timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise ValueError(
+            f"--url {url}: no OpenAI-compatible server answers there ({type(exc).__name__}: "
+            f"{exc}); start one (rlt-hal serve) or check the host and port"
+        ) from exc
+    if r.status_code != 200:
+        raise ValueError(f"--url {url}: GET /v1/models answered HTTP {r.status_code}")
+    served = [m["id"] for m in r.json().get("data", [])]
+    if model is None:
+        if not served:
+            raise ValueError(f"--url {url}: the server lists no models")
+        return served[0]
+    if model not in served:
+        raise ValueError(f"--model {model!r}: the server at {url} serves {', '.join(served)}")
+    return model
+
+
+def failed_everywhere(report: dict) -> bool:
+    """Whether every request of every level failed (the bench then exits non-zero)."""
+    levels = [
+        part
+        for lv in report["levels"]
+        for part in ((lv["unshared"], lv["shared"]) if "shared" in lv else (lv,))
+    ]
+    return all(part["errors"] == part["num_requests"] for part in levels)
+
+
 def serve(
     url: str,
     concurrency: list[int],
@@ -151,7 +185,7 @@ def serve(
     """Each concurrency level's figures; with ``shared_prefix_len`` P, every prompt is one P-token
     prefix followed by ``input_len`` tokens of its own, sent without and with sharing."""
     url = url.rstrip("/").removesuffix("/v1")
-    model = model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    model = _served_model(url, model)
     run_id = f"bench-{time.time_ns()}"  # no cache entry of an earlier run is ever hit
     levels = [
         _shared_prefix_level(

@@ -71,9 +71,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def refuse_non_empty(dst: str | Path, command: str, force: bool) -> None:
+    """A checkpoint is written into a new or empty directory, or where ``--force`` says so:
+    never silently over another checkpoint or beside other files."""
+    dst = Path(dst)
+    if force or not dst.exists():
+        return
+    if not dst.is_dir():
+        raise ValueError(f"{dst}: exists and is not a directory")
+    present = sorted(p.name for p in dst.iterdir())
+    if present:
+        shown = ", ".join(present[:3]) + (
+            f" and {len(present) - 3} more" if len(present) > 3 else ""
+        )
+        raise ValueError(
+            f"{dst}: exists and is not empty ({shown}); rlt-hal {command} writes a new "
+            "directory (--force writes into it, replacing files of the same names)"
+        )
+
+
 def cmd_toy_checkpoint(args: argparse.Namespace) -> int:
     from runtime_glue.ouro.toy import preset_config, write_checkpoint
 
+    refuse_non_empty(args.dir, "toy-checkpoint", args.force)
     if args.preset == "trained":
         return _trained_checkpoint(args)
     cfg = preset_config(args.preset, total_ut_steps=args.loops)
@@ -130,6 +150,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from runtime_glue.ouro.quantize import check_quantization, quantize_weights
 
     src, dst = Path(args.src), Path(args.dst)
+    refuse_non_empty(dst, "quantize", args.force)
     cfg = OuroConfig.from_dir(src)
     scheme = QUANTIZE_SCHEMES[args.scheme]
     if args.format == "msmodelslim" and (args.scheme not in MSMODELSLIM_TYPES or args.lm_head):
@@ -141,8 +162,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     why = check_quantization(cfg, scheme, args.group_size)
     if why is not None:
         raise ValueError(why)
-    if dst.exists() and any(dst.iterdir()):
-        raise ValueError(f"{dst}: exists and is not empty; rlt-hal quantize writes a new directory")
     device = default_registry().create("cpu").device
     weights = quantize_weights(
         load_weights(src, cfg, device), cfg, scheme, args.group_size, args.lm_head, device
@@ -269,7 +288,16 @@ def _add_toy_checkpoint(sub) -> None:
         default=0.0,
         help="the exit gate's bias: higher, earlier exits (rlt-hal bench adaptive)",
     )
+    _add_force(p)
     p.set_defaults(func=cmd_toy_checkpoint)
+
+
+def _add_force(p) -> None:
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a directory that is not empty (files of the same names are replaced)",
+    )
 
 
 def _add_quantize(sub) -> None:
@@ -298,6 +326,7 @@ def _add_quantize(sub) -> None:
     )
     p.add_argument("--group-size", type=int, default=128, help="inputs per scale: 32, 64 or 128")
     p.add_argument("--lm-head", action="store_true", help="quantize lm_head too")
+    _add_force(p)
     p.set_defaults(func=cmd_quantize)
 
 
