@@ -174,7 +174,17 @@ def test_the_cli_reports_errors_without_a_traceback(ckpt_copy):
     assert "Traceback" not in proc.stderr
 
 
-GET_ONE = "huggingface-cli download ByteDance/Ouro-1.4B --local-dir DIR"
+GET_ONE = "hf download ByteDance/Ouro-1.4B --local-dir DIR"
+
+
+def test_the_download_command_the_errors_name_is_installed_beside_rlt_hal():
+    """huggingface_hub (installed with rlt-hal) ships ``hf``; it no longer ships
+    ``huggingface-cli``."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    assert shutil.which(GET_ONE.split()[0], path=str(Path(sys.executable).parent))
 
 
 @pytest.mark.parametrize(

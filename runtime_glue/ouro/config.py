@@ -154,7 +154,7 @@ class OuroConfig:
 GET_A_CHECKPOINT = (
     "rlt-hal never downloads models: it needs a local directory in the Hugging Face layout "
     "(config.json, model.safetensors, tokenizer.json), e.g. from "
-    "`huggingface-cli download ByteDance/Ouro-1.4B --local-dir DIR`"
+    "`hf download ByteDance/Ouro-1.4B --local-dir DIR`"
 )
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
