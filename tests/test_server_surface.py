@@ -368,3 +368,40 @@ def test_tokenizer_endpoint_errors_name_the_field(server, path, body, param, tex
     r = _post(server, path, body)
     err = _error(r, 404 if param == "model" else 400)
     assert err["param"] == param and text in err["message"]
+
+
+def test_max_model_len_caps_requests_and_chat_runs_to_it_by_default(tiny_ckpt):
+    """--max-model-len as vLLM's: /v1/models reports it, a longer request is a 400, a chat
+    request without max_tokens runs to what is left of it (vLLM's default), a completions
+    request keeps OpenAI's 16."""
+    from tests.server_helpers import ServerProcess
+
+    proc = ServerProcess(tiny_ckpt, "--max-model-len", "48")
+    try:
+        client = openai.OpenAI(base_url=proc.base + "/v1", api_key="unused", max_retries=0)
+        [model] = client.models.list().data
+        assert model.model_extra["max_model_len"] == 48
+        chat = client.chat.completions.create(
+            model="toy",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"ignore_eos": True},
+        )
+        used = chat.usage
+        assert used.prompt_tokens + used.completion_tokens == 48 and used.completion_tokens > 16
+        assert chat.choices[0].finish_reason == "length"
+        text = client.completions.create(model="toy", prompt="hi", extra_body={"ignore_eos": True})
+        assert text.usage.completion_tokens == 16
+        with pytest.raises(openai.BadRequestError, match="maximum length of 48 tokens"):
+            client.completions.create(model="toy", prompt="hi", max_tokens=48)
+    finally:
+        proc.stop()
+
+
+def test_max_model_len_is_refused_beyond_the_model_or_the_pool(tiny_ckpt, tiny_config):
+    too_long = tiny_config.max_position_embeddings + 1
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, "):
+        LLM(tiny_ckpt, max_model_len=too_long, block_size=16, num_blocks=8)
+    with pytest.raises(ValueError, match="--max-model-len 512: the KV pool holds 64 tokens"):
+        LLM(tiny_ckpt, max_model_len=512, block_size=16, num_blocks=4)
+    llm = LLM(tiny_ckpt, max_model_len=40, block_size=16, num_blocks=8)
+    assert llm.engine.max_model_len == 40 and llm.engine.request_capacity(10) == 40

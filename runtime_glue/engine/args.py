@@ -200,6 +200,12 @@ class EngineArgs:
         },
     )
     block_size: int = cli_field(128, "tokens per KV block (a power of two >= 16)")
+    max_model_len: int | None = cli_field(
+        None,
+        "the most tokens (prompt + output) a request may have, as vLLM's --max-model-len; the "
+        "KV pool must hold one such request (default: the model's max_position_embeddings)",
+        type=int,
+    )
     num_blocks: int | None = cli_field(
         None, "KV pool size in blocks (default: as many as --kv-cache-memory holds)", type=int
     )

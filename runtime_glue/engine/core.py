@@ -170,6 +170,19 @@ class Engine:
     def pool_tokens(self) -> int:
         return self.pool_blocks * self.allocator.block_size
 
+    def request_capacity(self, prompt_len: int) -> int:
+        """The most tokens (prompt + output) a request with a prompt of ``prompt_len`` can
+        ever reach here: ``max_model_len``, or less where the KV pool holds less (``prompt_len``
+        where it cannot hold even the prompt)."""
+        fits = lambda t: self.kv.pool_refusal(prompt_len, t, self.pool_blocks) is None  # noqa: E731
+        lo, hi = prompt_len, self.max_model_len
+        if hi <= lo or not fits(lo):
+            return lo
+        while lo < hi:  # the largest t in [lo, hi] that fits (fits is monotone)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -235,7 +235,16 @@ class LLM:
             kv=self.placement,
             speculative=self.speculative,
             grammars=self._grammar_compiler,
+            max_model_len=self.args.max_model_len,
         )
+        asked = self.args.max_model_len
+        if asked is not None and self.engine.request_capacity(1) < asked:
+            raise ValueError(
+                f"--max-model-len {asked}: the KV pool holds "
+                f"{self.engine.request_capacity(1)} tokens for one request "
+                f"({self.engine.pool_blocks} blocks of {self.args.block_size}); raise "
+                "--kv-cache-memory or --num-blocks, or lower --max-model-len"
+            )
         if self.engine.graph_admission is not None:  # the graphs' check on this device
             plan = attrs.evolve(plan, admissions=(*plan.admissions, self.engine.graph_admission))
         self.plan = plan

@@ -105,7 +105,17 @@ def _memory(args: Any, cfg: Any) -> str | None:
     return None
 
 
-BOUNDS = (_speculation, _quantization, _memory)
+def _max_model_len(args: Any, cfg: Any) -> str | None:
+    limit = args.max_model_len
+    if limit is not None and not 1 <= limit <= cfg.max_position_embeddings:
+        return (
+            f"max_model_len must be in [1, {cfg.max_position_embeddings}] (the model's "
+            f"max_position_embeddings), got {limit}"
+        )
+    return None
+
+
+BOUNDS = (_speculation, _quantization, _memory, _max_model_len)
 
 
 def _runs_scheme(args: Any, driver: Driver) -> str | None:

@@ -121,7 +121,7 @@ class Server:
         try:
             body.check_supported()
             spec = self._structured(body, tools)
-            params = body.sampling_params(self.default_max_tokens, spec)
+            params = body.sampling_params(self._default_max_tokens(body, prompts), spec)
         except (UnsupportedValue, StructuredOutputError) as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except ValueError as exc:  # SamplingParams' checks begin with the field's name
@@ -133,6 +133,14 @@ class Server:
         else:  # compiling a grammar takes a while: off the event loop
             await asyncio.to_thread(self._validate, body, prompts, params)
         return plan_choices(prompts, params, body.n)
+
+    def _default_max_tokens(self, body, prompts: list[list[int]]) -> int:
+        """A request's max_tokens where it gives none: completions, ``--default-max-tokens``;
+        chat, what is left of the context its prompt may reach (vLLM's default)."""
+        if not isinstance(body, ChatCompletionRequest):
+            return self.default_max_tokens
+        n = len(prompts[0])
+        return max(self.llm.engine.request_capacity(n) - n, 1)
 
     def _structured(self, body, tools: ToolPlan | None) -> StructuredSpec | None:
         """The request's structured-output spec: a tool call's schema, or the one its

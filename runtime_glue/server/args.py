@@ -29,7 +29,10 @@ class ServerArgs:
     )
     api_key: str | None = cli_field(None, "require 'Authorization: Bearer KEY' on /v1/*")
     default_max_tokens: int = cli_field(
-        16, "max_tokens when a request gives none (OpenAI's default is 16)"
+        16,
+        "a completions request's max_tokens when it gives none (16, as OpenAI's legacy "
+        "completions API); a chat request without max_tokens runs to what is left of "
+        "--max-model-len (and of the KV pool), as vLLM's",
     )
     max_request_bytes: int = cli_field(
         DEFAULT_MAX_REQUEST_BYTES,
