@@ -240,3 +240,21 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tiny_ckpt):
         "server?); stop it or choose another --port"
     ]
     assert not any(word in proc.stderr for word in LOADED)
+
+
+def test_a_mistyped_option_is_unknown_not_a_missing_required_one(capsys):
+    from runtime_glue.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--promt", "hi"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "rlt-hal generate: error: unrecognized argument --promt (did you mean --prompt?) "
+        "(see rlt-hal generate --help)"
+    )
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-model-lenght", "64"])
+    assert "unrecognized argument --max-model-lenght (did you mean --max-model-len?)" in (
+        capsys.readouterr().err
+    )

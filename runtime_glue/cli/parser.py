@@ -9,6 +9,8 @@ of the same class, so every command gets both, and the text a command is listed 
 from __future__ import annotations
 
 import argparse
+import difflib
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 
@@ -48,6 +50,30 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", _Commands)
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        """An option this command does not know is reported as unknown (with the one it likely
+        meant) before a required option it makes look missing: ``--promt`` is not a missing
+        ``--prompt``."""
+        if args is not None and not any(
+            isinstance(a, argparse._SubParsersAction) for a in self._actions
+        ):
+            self._check_unknown(list(args))
+        return super().parse_known_args(args, namespace)
+
+    def _check_unknown(self, args: list[str]) -> None:
+        known = list(self._option_string_actions)
+        for token in args:
+            if token == "--":
+                return
+            name = token.split("=", 1)[0]
+            if not name.startswith("--") or name in known:
+                continue
+            if any(o.startswith(name) for o in known if o.startswith("--")):
+                continue  # an abbreviation argparse resolves (or calls ambiguous)
+            close = difflib.get_close_matches(name, [o for o in known if o.startswith("--")], 1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            self.error(f"unrecognized argument {name}{hint}")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
