@@ -52,6 +52,8 @@ def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
         # The printed table shows the JSON's own figures.
         row = f"| {r['input_len']} | {r['ttft_s']['p50']:.3f} | {r['tpot_s']['p50']:.3f} |"
         assert row in table and f"{r['tpot_over_decode_floor']:.2f} |" in table
+        # a floor of microseconds shows its digits, not 0.000
+        assert f"| {r['decode_floor_s']:.3g} |" in table and "| 0.000 |" not in table
 
 
 def test_bench_baseline_compares_with_the_hf_module_reference(tmp_path):

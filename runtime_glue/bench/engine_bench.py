@@ -239,8 +239,8 @@ def markdown_latency(report: dict) -> str:
     for r in report["results"]:
         lines.append(
             f"| {r['input_len']} | {r['ttft_s']['p50']:.3f} | {r['tpot_s']['p50']:.3f} | "
-            f"{r['output_tok_s']['p50']:.2f} | {r['decode_floor_s']:.3f} | "
-            f"{r['tpot_over_decode_floor']:.2f} | {r['prefill_floor_s']:.3f} | "
+            f"{r['output_tok_s']['p50']:.2f} | {r['decode_floor_s']:.3g} | "
+            f"{r['tpot_over_decode_floor']:.2f} | {r['prefill_floor_s']:.3g} | "
             f"{r['ttft_over_prefill_floor']:.2f} |"
         )
     weights, bw = report["weights"], report["floors"]["bandwidth"]
