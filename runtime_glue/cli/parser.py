@@ -51,7 +51,9 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", _Commands)
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+    def parse_known_args(  # type: ignore[override]  # typeshed's overloads, one behaviour
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> Any:
         """An option this command does not know is reported as unknown (with the one it likely
         meant) before a required option it makes look missing: ``--promt`` is not a missing
         ``--prompt``."""

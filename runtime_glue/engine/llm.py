@@ -237,10 +237,10 @@ class LLM:
             grammars=self._grammar_compiler,
             max_model_len=self.args.max_model_len,
         )
-        asked = self.args.max_model_len
-        if asked is not None and self.engine.request_capacity(1) < asked:
+        limit = self.args.max_model_len
+        if limit is not None and self.engine.request_capacity(1) < limit:
             raise ValueError(
-                f"--max-model-len {asked}: the KV pool holds "
+                f"--max-model-len {limit}: the KV pool holds "
                 f"{self.engine.request_capacity(1)} tokens for one request "
                 f"({self.engine.pool_blocks} blocks of {self.args.block_size}); raise "
                 "--kv-cache-memory or --num-blocks, or lower --max-model-len"
