@@ -258,3 +258,11 @@ def test_a_mistyped_option_is_unknown_not_a_missing_required_one(capsys):
     assert "unrecognized argument --max-model-lenght (did you mean --max-model-len?)" in (
         capsys.readouterr().err
     )
+
+
+def test_plan_prints_its_plan_once(tiny_ckpt):
+    proc = rlt_hal("plan", "--model", str(tiny_ckpt), "--block-size", "16", "--num-blocks", "8")
+    assert proc.returncode == 0, proc.stderr
+    both = proc.stdout + proc.stderr
+    assert both.count("deterministic mode, cpu_eager attention") == 1
+    assert proc.stdout.startswith("cpu: deterministic mode") and "| op | rows of |" in proc.stdout

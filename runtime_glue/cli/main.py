@@ -50,15 +50,24 @@ def cmd_drivers(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """The execution plan for a model here, with the measurements behind it."""
-    llm = announced_llm(args, progress=False)
+    """The execution plan for a model here, with the measurements behind it: its start-up
+    lines are the command's output (standard output, once), then its notes and measurements."""
+    from runtime_glue.engine.llm import announce_llm, build_llm
+    from runtime_glue.ouro.resolve import record_note
+
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.banner():
+        print(engine_args.banner(), file=sys.stderr)
+    llm = build_llm(engine_args)
     plan = llm.plan
     if args.json:
         print(json.dumps({"device": llm.driver.label, **plan.to_json()}, indent=2))
         return 0
-    print(plan.describe())
+    announce_llm(llm, file=sys.stdout)
+    shown = record_note(plan)
     for note in plan.notes:
-        print(f"  {note}")
+        if note != shown:
+            print(f"  {note}")
     for a in plan.admissions:  # --mode fast: each fused kernel's check on this device
         print(f"  {a.op} {a.kernel}: {'admitted' if a.admitted else 'refused'}, {a.why}")
     if plan.measurements:

@@ -396,9 +396,11 @@ def build_llm(
     return llm
 
 
-def announce_llm(llm: LLM) -> None:
-    """The start-up lines on standard error: the plan (and where its kernel choice is kept,
-    measured now or reused, so that a changed plan shows), then the KV pool."""
+def announce_llm(llm: LLM, file: Any = None) -> None:
+    """The start-up lines, on standard error unless ``file`` says otherwise: the plan (and
+    where its kernel choice is kept, measured now or reused, so that a changed plan shows),
+    then the KV pool."""
+    file = file or sys.stderr
     caching = "on" if llm.engine.config.enable_prefix_caching else "off"
     spec = llm.speculative
     spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
@@ -417,9 +419,9 @@ def announce_llm(llm: LLM) -> None:
     print(
         f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
         f"{graphs_line}{weights}",
-        file=sys.stderr,
+        file=file,
     )
     note = record_note(llm.plan)
     if note is not None:
-        print(f"  {note}", file=sys.stderr)
-    print(llm.kv_summary, file=sys.stderr)
+        print(f"  {note}", file=file)
+    print(llm.kv_summary, file=file)
