@@ -405,3 +405,84 @@ def test_max_model_len_is_refused_beyond_the_model_or_the_pool(tiny_ckpt, tiny_c
         LLM(tiny_ckpt, max_model_len=512, block_size=16, num_blocks=4)
     llm = LLM(tiny_ckpt, max_model_len=40, block_size=16, num_blocks=8)
     assert llm.engine.max_model_len == 40 and llm.engine.request_capacity(10) == 40
+
+
+# A value for every field of OpenAI's chat request, with what it needs beside it. The list of
+# fields is the openai package's own (the test fails on a field it adds that has no entry).
+MESSAGES = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CHAT_FIELD_VALUES: dict[str, tuple] = {
+    "messages": (MESSAGES, {}),
+    "model": ("toy", {}),
+    "max_tokens": (2, {}),
+    "max_completion_tokens": (2, {}),
+    "temperature": (0.5, {}),
+    "top_p": (0.9, {}),
+    "n": (2, {}),
+    "seed": (7, {}),
+    "stop": (["zz"], {}),
+    "frequency_penalty": (0.1, {}),
+    "presence_penalty": (0.1, {}),
+    "logit_bias": ({"5": 1.0}, {}),
+    "logprobs": (True, {}),
+    "top_logprobs": (2, {"logprobs": True}),
+    "response_format": ({"type": "text"}, {}),
+    "stream_options": ({"include_usage": True}, {"stream": True}),
+    "tools": ([TOOL], {"tool_choice": "none"}),  # (auto needs a template rendering tools)
+    "tool_choice": ("none", {"tools": [TOOL]}),
+    "parallel_tool_calls": (False, {"tools": [TOOL], "tool_choice": "none"}),
+    "user": ("u1", {}),
+    "metadata": ({"team": "a"}, {}),
+    "moderation": (None, {}),
+    "prediction": ({"type": "content", "content": "hi there"}, {}),
+    "prompt_cache_key": ("k", {}),
+    "prompt_cache_options": (None, {}),
+    "prompt_cache_retention": ("in-memory", {}),
+    "reasoning_effort": ("low", {}),
+    "safety_identifier": ("s1", {}),
+    "service_tier": ("auto", {}),
+    "store": (False, {}),
+    "verbosity": ("low", {}),
+    "modalities": (["text"], {}),
+    "audio": (None, {}),
+    "web_search_options": (None, {}),
+    "functions": (None, {}),
+    "function_call": (None, {}),
+}
+
+
+def _openai_chat_fields() -> set[str]:
+    from openai.types.chat import completion_create_params as params
+
+    return set(params.CompletionCreateParamsBase.__annotations__)
+
+
+def test_every_field_of_openais_chat_request_is_accepted(server):
+    fields = _openai_chat_fields()
+    assert fields - set(CHAT_FIELD_VALUES) == set(), "a field the openai package lists"
+    for name in sorted(fields):
+        value, beside = CHAT_FIELD_VALUES[name]
+        body = {"model": "toy", "messages": MESSAGES, "max_tokens": 2, **beside, name: value}
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, (name, r.text)
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("audio", {"voice": "alloy", "format": "mp3"}, "audio output is not supported"),
+        ("modalities", ["text", "audio"], 'only ["text"] is supported'),
+        ("web_search_options", {"search_context_size": "low"}, "web search is not available"),
+        ("functions", [TOOL["function"]], "functions is deprecated by OpenAI; give them as tools"),
+        ("function_call", "auto", "use tool_choice"),
+        ("guided_json", {"type": "object"}, 'use "structured_outputs": {"json": ...}'),
+        ("guided_choice", ["a", "b"], 'use "structured_outputs": {"choice": ...}'),
+        ("max_token", 3, "unknown field 'max_token' is not supported (did you mean 'max_tokens'?)"),
+    ],
+)
+def test_what_cannot_be_given_here_is_a_400_that_says_what_to_use(server, field, value, says):
+    r = _post(server, "/v1/chat/completions", {"model": "toy", "messages": MESSAGES, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert says in r.json()["error"]["message"]
+    assert _post(server, "/v1/chat/completions", {"model": "toy", "messages": MESSAGES,
+                                                  "max_tokens": 1}).status_code == 200  # fmt: skip

@@ -3,6 +3,8 @@ turn every error (ours, pydantic's, Starlette's) into OpenAI's error shape, nami
 
 from __future__ import annotations
 
+import difflib
+
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -73,6 +75,34 @@ def _param(loc) -> str:
     return out
 
 
+# vLLM's deprecated guided decoding fields -> the structured_outputs key that replaced each.
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+    "guided_decoding_backend": None,
+}
+
+
+def unknown_field(param: str) -> str:
+    """The message for a field the schema lacks: where vLLM moved it, or what it may be a typo
+    of."""
+    if param in GUIDED:
+        key = GUIDED[param]
+        to = f'"structured_outputs": {{"{key}": ...}}' if key else "structured_outputs"
+        return f"{param} was removed (vLLM deprecated it): use {to}"
+    message = f"unknown field {param!r} is not supported"
+    if "." in param or "[" in param:
+        return message
+    from runtime_glue.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    names = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    close = difflib.get_close_matches(param, sorted(names), 1)
+    return message + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request, exc: ApiError):
@@ -85,7 +115,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if err.get("type") == "json_invalid":
             return json_error(400, "the request body is not valid JSON")
         if err.get("type") == "extra_forbidden":
-            return json_error(400, f"unknown field {param!r} is not supported", param=param)
+            return json_error(400, unknown_field(param), param=param)
         return json_error(400, f"{param or 'body'}: {err.get('msg')}", param=param or None)
 
     @app.exception_handler(StarletteHTTPException)

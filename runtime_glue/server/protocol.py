@@ -241,7 +241,64 @@ class CompletionRequest(_SamplingFields):
             )
 
 
-class ChatCompletionRequest(_SamplingFields):
+# OpenAI chat fields that change nothing here, accepted as OpenAI defines them (README, "The
+# request schema"): storage, billing and routing hints, and reasoning effort (a thinking
+# budget is issue 46's). The openai package's own list of fields is the test's
+# (tests/test_server_surface.py).
+NO_EFFECT = (
+    "metadata",
+    "moderation",
+    "prediction",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "reasoning_effort",
+    "safety_identifier",
+    "service_tier",
+    "store",
+    "verbosity",
+)
+# OpenAI chat fields asking for what rlt-hal cannot give: accepted when empty (null, or text
+# only), else a 400 that says what to use.
+NOT_HERE = {
+    "audio": "audio output is not supported (the model writes text)",
+    "web_search_options": "web search is not available here",
+    "functions": "functions is deprecated by OpenAI; give them as tools",
+    "function_call": "function_call is deprecated by OpenAI; use tool_choice",
+}
+
+
+class _OpenAIChatFields(BaseModel):
+    """The rest of OpenAI's chat request schema (see NO_EFFECT and NOT_HERE)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metadata: dict[str, str] | None = None
+    moderation: Any = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: str | None = None
+    reasoning_effort: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def check_openai_fields(self) -> None:
+        for name, why in NOT_HERE.items():
+            if getattr(self, name):
+                raise UnsupportedValue(name, why)
+        if self.modalities and self.modalities != ["text"]:
+            raise UnsupportedValue("modalities", 'only ["text"] is supported')
+
+
+class ChatCompletionRequest(_SamplingFields, _OpenAIChatFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
@@ -261,6 +318,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        self.check_openai_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs=true")
 
