@@ -486,3 +486,38 @@ def test_what_cannot_be_given_here_is_a_400_that_says_what_to_use(server, field,
     assert says in r.json()["error"]["message"]
     assert _post(server, "/v1/chat/completions", {"model": "toy", "messages": MESSAGES,
                                                   "max_tokens": 1}).status_code == 200  # fmt: skip
+
+
+def test_vllms_chat_template_fields_render_as_tokenize_renders_them(server, tiny_ckpt):
+    """add_generation_prompt / continue_final_message: the prompt /tokenize gives for the same
+    flags; chat_template: only on a server that trusts request templates; priority: 0 only."""
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = _post(server, "/tokenize", {"model": "toy", "messages": convo, **flags}).json()
+    r = _post(server, "/v1/chat/completions",
+              {"model": "toy", "messages": convo, "max_tokens": 1, **flags})  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == ids["count"]
+    plain = _post(
+        server, "/v1/chat/completions", {"model": "toy", "messages": convo, "max_tokens": 1}
+    )
+    assert plain.json()["usage"]["prompt_tokens"] != ids["count"]
+    both = {"add_generation_prompt": True, "continue_final_message": True}
+    r = _post(server, "/v1/chat/completions", {"model": "toy", "messages": convo, **both})
+    assert r.status_code == 400
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    body = {"model": "toy", "messages": convo, "max_tokens": 1, "chat_template": template}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.text
+    r = _post(server, "/v1/chat/completions", {**body, "chat_template": None, "priority": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    from tests.server_helpers import ServerProcess
+
+    trusting = ServerProcess(tiny_ckpt, "--trust-request-chat-template")
+    try:
+        r = httpx.post(trusting.base + "/v1/chat/completions", json=body, timeout=60)
+        text_ids = httpx.post(
+            trusting.base + "/tokenize", json={"model": "toy", "prompt": "hiHello, I"}, timeout=60
+        ).json()
+    finally:
+        trusting.stop()
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == text_ids["count"]

@@ -61,6 +61,7 @@ class Server:
             max_request_bytes=options.max_request_bytes,
             shutdown_timeout=options.shutdown_timeout,
             json_whitespace=None if options.json_whitespace == "any" else options.json_whitespace,
+            trust_request_chat_template=options.trust_request_chat_template,
         )
 
     def __init__(
@@ -72,8 +73,10 @@ class Server:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         shutdown_timeout: float = 10.0,
         json_whitespace: str | None = DEFAULT_JSON_WHITESPACE,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.llm = llm
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizing = Tokenizing(llm.model_dir)  # off the event loop, bounded
         self.renders_tools = renders_tools(self.tokenizing.tokenizer.chat_template)
         self.json_whitespace = json_whitespace
@@ -184,12 +187,19 @@ class Server:
     async def prompts(self, body, tools: ToolPlan | None = None) -> list[list[int]]:
         """The request's prompts as token ids, tokenized (and templated) on pool threads."""
         if isinstance(body, ChatCompletionRequest):
+            if body.chat_template is not None and not self.trust_request_chat_template:
+                raise ApiError(
+                    400,
+                    "a chat template given with the request is used only by a server started "
+                    "with --trust-request-chat-template (vLLM's rule)",
+                    param="chat_template",
+                )
             try:
                 messages = template_messages(body.messages)
             except MessageError as exc:
                 raise ApiError(400, str(exc), param=exc.param) from None
             kwargs = tools.template_kwargs() if tools is not None else {}
-            return [await self.chat_ids(messages, **kwargs)]
+            return [await self.chat_ids(messages, **kwargs, **body.template_kwargs())]
         return list(await asyncio.gather(*(self.encode(p) for p in body.prompts())))
 
     async def prompt_texts(self, body, prompts: list[list[int]]) -> list[str] | None:

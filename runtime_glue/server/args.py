@@ -28,6 +28,11 @@ class ServerArgs:
         "--preset trained, else rlt-hal-toy-random)",
     )
     api_key: str | None = cli_field(None, "require 'Authorization: Bearer KEY' on /v1/*")
+    trust_request_chat_template: bool = cli_field(
+        False,
+        "use a chat_template a chat request gives (vLLM's flag; else such a request is a 400)",
+        action="store_true",
+    )
     default_max_tokens: int = cli_field(
         16,
         "a completions request's max_tokens when it gives none (16, as OpenAI's legacy "

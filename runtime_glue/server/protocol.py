@@ -94,6 +94,9 @@ class _SamplingFields(BaseModel):
     # Structured outputs (runtime_glue.engine.structured): OpenAI's and vLLM's fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: a scheduling priority, which its default first-come-first-served policy (and
+    # rlt-hal's only one) refuses unless 0.
+    priority: int = 0
 
     @field_validator("logit_bias")
     @classmethod
@@ -106,6 +109,12 @@ class _SamplingFields(BaseModel):
         return value
 
     def check_supported(self) -> None:
+        if self.priority:
+            raise UnsupportedValue(
+                "priority",
+                "priority scheduling is not enabled: requests run first come, first served "
+                "(priority must be 0)",
+            )
         if self.stream_options is not None and not self.stream:
             raise UnsupportedValue("stream_options", "stream_options requires stream=true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -306,6 +315,21 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template controls: the assistant's turn opened (default), or the last
+    # message continued (a prefill), and a template given with the request.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Annotated[str, Field(min_length=1)] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the request asks of the chat template (``apply_chat_template``'s names)."""
+        kwargs: dict[str, Any] = {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        return kwargs
 
     @model_validator(mode="after")
     def _merge_max_tokens(self) -> ChatCompletionRequest:
@@ -319,8 +343,17 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatFields):
     def check_supported(self) -> None:
         super().check_supported()
         self.check_openai_fields()
+        check_continuation(self.add_generation_prompt, self.continue_final_message)
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs=true")
+
+
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: the last message is continued or the assistant's turn opened, not both."""
+    if add_generation_prompt and continue_final_message:
+        raise UnsupportedValue(
+            "continue_final_message", "continue_final_message needs add_generation_prompt=false"
+        )
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):
