@@ -65,6 +65,8 @@ SLOW_TESTS = {
     "test_sampling_stage.py::test_json_schema_outputs_always_parse_and_validate_while_sampling",
     "test_server.py::test_an_api_key_is_required_when_configured",
     "test_server.py::test_sigterm_finishes_in_flight_requests_and_exits_zero",
+    "test_server_surface.py::test_max_model_len_caps_requests_and_chat_runs_to_it_by_default",
+    "test_server_surface.py::test_vllms_chat_template_fields_render_as_tokenize_renders_them",
     "test_server_structured.py::test_on_the_default_model_parse_and_a_required_call_succeed_every_time",
     "test_speculative.py::test_a_speculative_server_answers_as_plain_decoding_and_counts_its_drafts",
     "test_speculative.py::test_bench_speculative_counts_host_calls_per_token_under_step_graphs",

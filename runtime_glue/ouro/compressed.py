@@ -56,8 +56,8 @@ FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # int-: naive'
 BITS = (8, 4)
 WHAT_WORKS = (
     "rlt-hal loads compressed-tensors W8A16 and W4A16 checkpoints (int8 or int4, per channel "
-    "or per group, symmetric), or quantizes a bf16 checkpoint at load (--quantization "
-    "int8|int8g|int4)"
+    "or per group, symmetric) and W8A8 (int8 per channel, activations int8 per token), or "
+    "quantizes a bf16 checkpoint at load (--quantization int8|int8g|int4)"
 )
 
 
