@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -282,8 +283,31 @@ def load(
     scheme: quantized projections (stacked ones once, members as row slices), lm_head if
     quantized, everything else bf16, in one buffer from ``device.alloc_weights``. (An
     msModelSlim checkpoint: ``runtime_glue.ouro.msmodelslim.load``.)"""
+
+    def quantized(entries: dict[str, TensorEntry], name: str, shape: tuple) -> Any:
+        module = name.rsplit(".", 1)[0]
+        if not (name.endswith(".weight") and _quantized(module, cq)):
+            return None
+        w = _quantized_weight(entries, module, shape, cq)
+        return w.dequantize() if module == "model.early_exit_gate" else w
+
+    return load_stored(model_dir, cfg, cq, device, progress, expected(cfg, cq), quantized)
+
+
+def load_stored(
+    model_dir: str | Path,
+    cfg: OuroConfig,
+    cq: CheckpointQuantization,
+    device: Device,
+    progress: bool,
+    tensors: dict[str, tuple[tuple, tuple]],
+    quantized: Callable[[dict[str, TensorEntry], str, tuple], Any],
+) -> dict[str, Any]:
+    """A checkpoint quantized elsewhere, placed one tensor at a time (``quantize.place``):
+    its tensors checked against ``tensors`` first; ``quantized(entries, name, shape)`` gives a
+    checkpoint tensor as the model takes it, or None where it is read as stored."""
     entries = index_checkpoint(model_dir)
-    validate(entries, cfg, model_dir, expected(cfg, cq))
+    validate(entries, cfg, model_dir, tensors)
     shapes = expected_tensors(cfg)
     bar = None
     if progress:
@@ -292,12 +316,8 @@ def load(
         bar = tqdm(total=len(shapes), desc="loading weights", unit="tensor")
 
     def made(name: str) -> Any:
-        module = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and _quantized(module, cq):
-            w: Any = _quantized_weight(entries, module, shapes[name], cq)
-            if module == "model.early_exit_gate":
-                w = w.dequantize()
-        else:
+        w = quantized(entries, name, shapes[name])
+        if w is None:
             w = read_tensor(entries[name])
         if bar is not None:
             bar.update()
@@ -440,10 +460,18 @@ def write(
         out[module + ".weight_packed"] = pack(w.integers(), bits)
         out[module + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    write_beside(src, dst, quantization_config(scheme, group_size, head, activations))
+    return dst
+
+
+def write_beside(src: str | Path, dst: Path, config_quantization: dict | None) -> None:
+    """``src``'s config.json in ``dst`` with ``quantization_config`` set (None: removed), and
+    its tokenizer files copied."""
     config = json.loads((Path(src) / "config.json").read_text())
-    config["quantization_config"] = quantization_config(scheme, group_size, head, activations)
+    config.pop("quantization_config", None)
+    if config_quantization is not None:
+        config["quantization_config"] = config_quantization
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for f in TOKENIZER_FILES:
         if (Path(src) / f).is_file():
             shutil.copy2(Path(src) / f, dst / f)
-    return dst

@@ -28,7 +28,6 @@ quantize --format msmodelslim``).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +36,15 @@ from safetensors.torch import save_file
 
 from hal.interfaces import Device
 from hal.quant import QuantizedWeight, from_integers
-from runtime_glue.ouro.checkpoint import (
-    CheckpointError,
-    TensorEntry,
-    expected_tensors,
-    index_checkpoint,
-    read_tensor,
-    validate,
+from runtime_glue.ouro.checkpoint import CheckpointError, TensorEntry, expected_tensors, read_tensor
+from runtime_glue.ouro.compressed import (
+    CheckpointQuantization,
+    kernel_group,
+    load_stored,
+    write_beside,
 )
-from runtime_glue.ouro.compressed import TOKENIZER_FILES, CheckpointQuantization, kernel_group
 from runtime_glue.ouro.config import OuroConfig
-from runtime_glue.ouro.quantize import checkpoint_tensors, place
+from runtime_glue.ouro.quantize import checkpoint_tensors
 
 METHOD = "msModelSlim"
 DESCRIPTION = "quant_model_description.json"
@@ -153,28 +150,13 @@ def load(
 ) -> dict[str, Any]:
     """The checkpoint's weights in ``hal.quant``'s layout (int8 or int8g projections, the
     rest bf16), in one buffer from ``device.alloc_weights``, one tensor read at a time."""
-    entries = index_checkpoint(model_dir)
-    validate(entries, cfg, model_dir, expected(cfg, cq))
-    shapes = expected_tensors(cfg)
-    bar = None
-    if progress:
-        from tqdm import tqdm
 
-        bar = tqdm(total=len(shapes), desc="loading weights", unit="tensor")
+    def quantized(entries: dict[str, TensorEntry], name: str, shape: tuple) -> Any:
+        if not name.endswith("_proj.weight"):
+            return None
+        return _quantized_weight(entries, name[: -len(".weight")], shape, cq)
 
-    def made(name: str) -> Any:
-        if name.endswith("_proj.weight"):
-            w: Any = _quantized_weight(entries, name[: -len(".weight")], shapes[name], cq)
-        else:
-            w = read_tensor(entries[name])
-        if bar is not None:
-            bar.update()
-        return w
-
-    weights = place(cfg, cq.scheme, cq.group_size, False, made, device)
-    if bar is not None:
-        bar.close()
-    return weights
+    return load_stored(model_dir, cfg, cq, device, progress, expected(cfg, cq), quantized)
 
 
 def _quantized_weight(
@@ -230,10 +212,5 @@ def write(
             description[part] = kind
     save_file(out, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
     (dst / DESCRIPTION).write_text(json.dumps(description, indent=2))
-    config = json.loads((Path(src) / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for f in TOKENIZER_FILES:
-        if (Path(src) / f).is_file():
-            shutil.copy2(Path(src) / f, dst / f)
+    write_beside(src, dst, None)  # msModelSlim removes quantization_config
     return dst

@@ -145,6 +145,15 @@ INLINE void rows4(const int8_t *xq, const int32_t *xs8, const float *d, int ldq,
         for (int j = 0; j < mb; j++) y[(size_t)j * ldy + i] = f32_to_bf16(hsum(acc[i][j]));
 }
 
+/* Block b of input row j (at offset o of xq, xa) against the weight block wv (aw = |wv| when
+ * full): dot32's eight int32 lanes, with the weight's sign trick or the input's. */
+INLINE __m256i block8(const int8_t *xq, const int8_t *xa, size_t o, __m256i wv, __m256i aw,
+                      int full) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + o));
+    if (full) return dot32(aw, xv, wv);
+    return dot32(_mm256_loadu_si256((const __m256i *)(xa + o)), wv, xv);
+}
+
 /* int8: one weight row against mb quantized input rows (xq, their absolute values xa, their
  * block scales d: ldq inputs and ldq / QB scales a row). full: the weight may hold -128
  * (then |w| takes vpmaddubsw's unsigned side, one more instruction a block: 1.04-1.10x the
@@ -170,14 +179,7 @@ INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, in
         __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QB));
         __m256i aw = full ? _mm256_abs_epi8(wv) : wv;
         for (int j = 0; j < mb; j++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * ldq + b * QB));
-            __m256i lanes;
-            if (full) {
-                lanes = dot32(aw, xv, wv);
-            } else {
-                const __m256i *a = (const __m256i *)(xa + (size_t)j * ldq + b * QB);
-                lanes = dot32(_mm256_loadu_si256(a), wv, xv);
-            }
+            __m256i lanes = block8(xq, xa, (size_t)j * ldq + b * QB, wv, aw, full);
             __m256 sum = _mm256_cvtepi32_ps(lanes);
             acc[j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[(size_t)j * ldd + b] * sg), acc[j]);
         }
@@ -300,14 +302,7 @@ INLINE void row8_token(const int8_t *xq, const int8_t *xa, const float *d, int l
         __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QB));
         __m256i aw = full ? _mm256_abs_epi8(wv) : wv;
         for (int j = 0; j < mb; j++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * ldq + b * QB));
-            __m256i lanes;
-            if (full) {
-                lanes = dot32(aw, xv, wv);
-            } else {
-                const __m256i *a = (const __m256i *)(xa + (size_t)j * ldq + b * QB);
-                lanes = dot32(_mm256_loadu_si256(a), wv, xv);
-            }
+            __m256i lanes = block8(xq, xa, (size_t)j * ldq + b * QB, wv, aw, full);
             acc[j] = _mm256_add_epi32(acc[j], lanes);
         }
     }
