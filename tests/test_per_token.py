@@ -232,3 +232,20 @@ def test_the_emulated_quantizer_refuses_what_the_documentation_rules_out():
         quant_ops.npu_dynamic_quant(torch.ones(2, 64, dtype=BF16), smooth_scales=torch.ones(64))
     with pytest.raises(NotImplementedError, match="offset"):
         _qmm(offset=torch.ones(48))
+
+
+def test_a_planted_quantizer_bug_in_the_emulation_is_caught_through_the_driver(monkeypatch):
+    """The emulated npu_dynamic_quant rounding toward zero (a cast where CANN rounds half to
+    even) fails the comparison with the reference."""
+    driver = create_npu(emulate=True)
+    kernel = driver.kernel("linear", "int8-token-npu")
+    x, w = _rows(8, 256, seed=11), _weight(16, 256, seed=12)
+    assert torch.equal(kernel.fn(x, w), token_linear(x, w))
+
+    def truncating(x):
+        xf = x.float()
+        q = torch.full_like(xf[..., 0], 127.0) / xf.abs().amax(dim=-1).clamp(min=1e-30)
+        return (xf * q[..., None]).trunc().to(torch.int8), torch.ones_like(q) / q
+
+    monkeypatch.setattr(quant_ops, "_dynamic_quant", truncating)
+    assert not torch.equal(kernel.fn(x, w), token_linear(x, w))
