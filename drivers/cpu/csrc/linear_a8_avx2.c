@@ -373,3 +373,108 @@ int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w, const uint16_t 
                             int M, int N, int K, int group) {
     return linear_a8(x, w, scale, y, M, N, K, 4, group, 0);
 }
+
+/* W4A8 on int4 weights repacked eight rows at a time (quant_kernels.int4_octets):
+ * w8 [N8 / 8, K / 32, 8, 16]: for each octet of rows and block of 32 inputs, the rows' 16
+ * packed bytes one after another (hal.quant's nibble order: low nibbles inputs 0-15, high
+ * 16-31), so one 256-bit load holds two rows and the four of an octet are one stream;
+ * s8 [N8 / 8, K / group, 8] bf16: the octet's scales in lane order R8 (rows 0, 2, 4, 6, 1, 3,
+ * 5, 7: the order three vphaddd leave the rows' sums in). N8 is N rounded up to 8 (zero rows).
+ *
+ * y[m, n] = bf16(sum over blocks b in order of fma: float(dot_b) * (d[m, b] * scale[n, group
+ * of b])), dot_b the block's exact integer dot product of q = u - 8 with xq (u * x summed
+ * with vpmaddubsw / vpmaddwd, less 8 * the block's sum of x). The same sequence for every (m,
+ * n) wherever the row falls: row- and column-invariant by construction. What the per-row
+ * layout spent on each row and block (the scale products, the offset, the conversion and the
+ * FMA) is spent once an octet here, vectorized over its eight rows. */
+static const int R8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq, int mb,
+                   const uint8_t *w, const uint16_t *s, int K, int group, uint16_t *y, int ldy,
+                   int nv) {
+    int nblk = K / QB, ldd = ldq / QB, per = group / QB;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[MB], s8 = _mm256_setzero_ps();
+    for (int j = 0; j < MB; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *wb = w + (size_t)b * 128;
+        _mm_prefetch((const char *)wb + 4 * PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb + 4 * PREFETCH + 64, _MM_HINT_T0);
+        if (b % per == 0) {
+            __m128i h = _mm_loadu_si128((const __m128i *)(s + (size_t)(b / per) * 8));
+            s8 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+        __m256i lo[4], hi[4];
+        for (int r = 0; r < 4; r++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * r));
+            lo[r] = _mm256_and_si256(v, m4);
+            hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        for (int j = 0; j < mb; j++) {
+            const int8_t *xb = xq + (size_t)j * ldq + b * QB;
+            __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
+            __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
+            __m256i p[4];
+            for (int r = 0; r < 4; r++)
+                p[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl),
+                                                          _mm256_maddubs_epi16(hi[r], xh)),
+                                         ones);
+            __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
+                                          _mm256_hadd_epi32(p[2], p[3]));
+            h = _mm256_sub_epi32(h, _mm256_set1_epi32(sx8[(size_t)j * ldd + b]));
+            __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[(size_t)j * ldd + b]), s8);
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), c, acc[j]);
+        }
+    }
+    for (int j = 0; j < mb; j++) {
+        float o[8];
+        _mm256_storeu_ps(o, acc[j]);
+        for (int t = 0; t < 8; t++)
+            if (R8[t] < nv) y[(size_t)j * ldy + R8[t]] = f32_to_bf16(o[t]);
+    }
+}
+
+int rlt_linear_int4_a8r_avx2(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
+                             uint16_t *y, int M, int N, int K, int group) {
+    int blocks = K / QB, ldq = K;
+    int8_t *xq = malloc((size_t)M * ldq);
+    int32_t *sx8 = malloc((size_t)M * blocks * sizeof(int32_t));
+    float *d = malloc((size_t)M * blocks * sizeof(float));
+    if (!xq || !sx8 || !d) {
+        free(xq);
+        free(sx8);
+        free(d);
+        return -1;
+    }
+    for (int m = 0; m < M; m++) {
+        int8_t *q = xq + (size_t)m * ldq;
+        quantize_row(x + (size_t)m * K, K, q, d + (size_t)m * blocks);
+        for (int b = 0; b < blocks; b++) {
+            int t = 0;
+            for (int k = 0; k < QB; k++) t += q[b * QB + k];
+            sx8[(size_t)m * blocks + b] = 8 * t;
+        }
+    }
+    int octets = (N + 7) / 8;
+    size_t wo = (size_t)blocks * 128, so = (size_t)(K / group) * 8;
+#pragma omp parallel for schedule(static)
+    for (int o = 0; o < octets; o++) {
+        int n = o * 8, nv = N - n < 8 ? N - n : 8;
+        for (int j0 = 0; j0 < M; j0 += MB) {
+            int mb = M - j0 < MB ? M - j0 : MB;
+            const int8_t *xb = xq + (size_t)j0 * ldq;
+            const int32_t *sb = sx8 + (size_t)j0 * blocks;
+            const float *db = d + (size_t)j0 * blocks;
+            uint16_t *yb = y + (size_t)j0 * N + n;
+            const uint8_t *wn = w8 + o * wo;
+            const uint16_t *sn = s8 + o * so;
+            if (mb == MB) octet4(xb, sb, db, ldq, MB, wn, sn, K, group, yb, N, nv);
+            else if (mb == 1) octet4(xb, sb, db, ldq, 1, wn, sn, K, group, yb, N, nv);
+            else octet4(xb, sb, db, ldq, mb, wn, sn, K, group, yb, N, nv);
+        }
+    }
+    free(xq);
+    free(sx8);
+    free(d);
+    return 0;
+}
