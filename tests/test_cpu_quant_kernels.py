@@ -209,6 +209,19 @@ def test_the_float64_comparison_catches_a_wrong_layout_or_scale(name, group, pla
     assert _excess(kernel.fn(x, plant(w)), x, w, name) > 0
 
 
+@pytest.mark.parametrize("lanes", [(0, 1, 2, 3, 4, 5, 6, 7), (0, 2, 4, 6, 1, 3, 7, 5)])
+def test_the_float64_comparison_catches_an_octet_repacked_wrong(monkeypatch, lanes):
+    # The W4A8 kernel reads its weight repacked eight rows at a time, each octet's scales in
+    # the order its sums come out in: scales laid out in another order must fail the bound.
+    kernel = _kernel("int4-a8-avx2")
+    x = torch.randn(3, 256).bfloat16()
+    right = _weight(64 + 5, 256, "int4", 32, seed=9)
+    assert _excess(kernel.fn(x, right), x, right, "int4-a8-avx2") <= 0
+    monkeypatch.setattr(quant_kernels, "OCTET_LANES", lanes)
+    w = _weight(64 + 5, 256, "int4", 32, seed=9)  # a fresh weight: its repacked form is new
+    assert _excess(kernel.fn(x, w), x, w, "int4-a8-avx2") > 0
+
+
 def test_an_exactly_representable_case_gives_the_exact_result():
     # Small integers times powers of two: every product and sum is exact in fp32 and bf16,
     # so each kernel must give exactly x @ dequant(w).T (a wrong group or nibble cannot).
@@ -276,3 +289,13 @@ def test_they_reject_what_they_cannot_compute():
         quant_kernels.linear_int4_avx2(x, w4.qweight, w4.scale, 64)
     with pytest.raises(ValueError, match="must be one of"):
         quant_kernels.linear_int4_avx2(x, w4.qweight, w4.scale, 16)
+
+
+def test_the_w4a8_kernel_rejects_a_weight_not_in_its_octet_layout():
+    w4 = _weight(16, 64, "int4", 32)
+    x = torch.randn(3, 64).bfloat16()
+    w8, s8 = quant_kernels.int4_octets(w4)
+    assert quant_kernels.linear_int4_a8_avx2(x, w8, s8, 16, 32).shape == (3, 16)
+    for args in ((w4.qweight, w4.scale, 16, 32), (w8, s8, 24, 32), (w8, s8, 16, 64)):
+        with pytest.raises(ValueError, match="do not match int4_octets' layout"):
+            quant_kernels.linear_int4_a8_avx2(x, *args)

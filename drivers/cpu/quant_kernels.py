@@ -13,7 +13,9 @@ built with the driver's other kernels (``drivers.cpu.kernels``: one library, one
 - ``linear_int8_a8_avx2`` and ``linear_int4_a8_avx2`` (``csrc/linear_a8_avx2.c``): the same
   weights with the activations quantized per block of 32 as llama.cpp's Q8_0 does, summed
   with int8 dot products (W8A8, W4A8: "int8-a8-avx2", "int4-a8-avx2", ``Kernel.activations``
-  "int8"). About half the instructions per weight of widening it to fp32, which is what
+  "int8"); the int4 kernel reads its weight repacked eight rows at a time (``int4_octets``,
+  a form made once per weight), so that what each block costs beside its dot products is
+  spent once for eight rows. About half the instructions per weight of widening it to fp32, which is what
   bounds decode on a CPU without bf16 or VNNI instructions; the arithmetic differs from the
   weight-only kernels by the activations' rounding (``hal.quant.quantize_activations``).
 - ``linear_int8_token_avx2``: int8 weights per channel with each row of x quantized with one
@@ -150,11 +152,52 @@ linear_int8_a8_avx2 = _int8_a8_op(
     "W8A8: ``linear_int8_avx2`` with x quantized per block of 32 "
     "(``hal.quant.quantize_activations``), int8 dot products; ``full``: qweight may hold -128.",
 )
-linear_int4_a8_avx2 = _grouped_op(
-    "linear_int4_a8_avx2",
+OCTET = 8  # rows the W4A8 kernel reads together
+OCTET_LANES = (0, 2, 4, 6, 1, 3, 5, 7)  # the rows' order in its sums (three vphaddd's)
+
+
+def int4_octets(w: QuantizedWeight) -> tuple[Tensor, Tensor]:
+    """``w`` repacked for ``linear_int4_a8_avx2``: the packed bytes ``[N8 / 8, K / 32, 8, 16]``
+    (each octet of rows, block by block of 32 inputs, its rows' 16 bytes one after another:
+    one stream a thread) and the scales ``[N8 / 8, K / group, 8]`` in ``OCTET_LANES`` order; N8
+    is N rounded up to 8 with rows of zeros (u = 8, scale 0)."""
+    n, k, g = w.shape[0], w.in_features, w.group_size
+    pad = -n % OCTET
+    qweight = F.pad(w.qweight, (0, 0, 0, pad), value=0x88)
+    scale = F.pad(w.scale, (0, 0, 0, pad))
+    octets = (n + pad) // OCTET
+    w8 = qweight.view(octets, OCTET, k // 32, 16).transpose(1, 2).contiguous()
+    s8 = scale.view(octets, OCTET, k // g)[:, list(OCTET_LANES)].transpose(1, 2).contiguous()
+    return w8, s8
+
+
+def _int4_a8(x: Tensor, w8: Tensor, s8: Tensor, n: int, group: int) -> Tensor:
+    name = "linear_int4_a8_avx2"
+    _quant_operands(name, x, w8, torch.uint8, s8)
+    octets, blocks = w8.shape[:2]
+    k = blocks * 32
+    if (
+        w8.shape[2:] != (OCTET, 16)
+        or group not in GROUP_SIZES
+        or k % group
+        or s8.shape != (octets, k // group, OCTET)
+        or x.shape[-1] != k
+        or not 0 < n <= octets * OCTET < n + OCTET
+    ):
+        raise ValueError(
+            f"{name}: x [..., {x.shape[-1]}], w8 {list(w8.shape)}, s8 {list(s8.shape)}, N {n} "
+            f"and group {group} do not match int4_octets' layout"
+        )
+    return _quant_linear(name, x, w8, s8, n, k, group)
+
+
+linear_int4_a8_avx2 = torch.library.custom_op(
+    "rlt_cpu::linear_int4_a8_avx2", _int4_a8, mutates_args=()
+)
+linear_int4_a8_avx2.register_fake(lambda x, w8, s8, n, group: x.new_empty(*x.shape[:-1], n))
+linear_int4_a8_avx2.__doc__ = (
     "W4A8: ``linear_int4_avx2`` with x quantized per block of 32 "
-    "(``hal.quant.quantize_activations``), int8 dot products.",
-    4,
+    "(``hal.quant.quantize_activations``), int8 dot products, on ``int4_octets``' layout."
 )
 TOKEN_MAX_K = 132103  # int32 sums of 127 * 128 products stay exact below this K
 linear_int8_token_avx2 = _int8_a8_op(
@@ -201,7 +244,8 @@ def int8g_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
 
 
 def int4_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
-    return linear_int4_a8_avx2(x, w.qweight, w.scale, w.group_size)
+    w8, s8 = w.form("int4-octets", int4_octets)
+    return linear_int4_a8_avx2(x, w8, s8, w.shape[0], w.group_size)
 
 
 # -- torch's own weight-only kernels, offered so that the plan's trials measure them --------
@@ -317,7 +361,7 @@ KERNELS = (
         "int4-a8-avx2",
         int4_a8_avx2,
         "int4",
-        "csrc/linear_a8_avx2.c: W4A8, x quantized per 32, int8 dot products",
+        "csrc/linear_a8_avx2.c: W4A8 on rows repacked by eights, x quantized per 32, int8 dots",
         "int8",
     ),
     Kernel(

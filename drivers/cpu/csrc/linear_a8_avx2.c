@@ -5,14 +5,13 @@
  *   d = amax / 127 (fp32), q = nearest-even(x * (1 / d)), x~ = q * d;
  * hal.quant.quantize_activations computes the same x~ (the conformance kit's reference).
  * w is hal/quant.py's layout: int8 [N, K] with bf16 scale [N] (int8) or [N, K / group]
- * (int8g), or int4 nibbles [N, K / 2] with bf16 scale [N, K / group] (group a multiple of 32).
+ * (int8g); int4 comes repacked eight rows at a time (see rlt_linear_int4_a8_avx2 below).
  *
- * y[m, n]: for each block b in order, the block's integer dot product (exact, int32 lanes:
- * int8 with the sign trick and vpmaddubsw / vpmaddwd, int4 on the unsigned nibbles less 8
- * times the sum of x, the same lanes) converted to fp32 and added with one FMA times its
- * scale (int8: d[m, b]; int8g, int4: d[m, b] * scale[n, group of b]) into an 8-lane
- * accumulator; then a fixed horizontal sum, an int8 K tail (scalar), the int8 channel scale, bf16
- * rounding. The same sequence for every (m, n) wherever the row falls: row- and
+ * int8 and int8g, y[m, n]: for each block b in order, the block's integer dot product (exact,
+ * int32 lanes: int8 with the sign trick and vpmaddubsw / vpmaddwd) converted to fp32 and added
+ * with one FMA times its scale (int8: d[m, b]; int8g: d[m, b] * scale[n, group of b]) into an
+ * 8-lane accumulator; then a fixed horizontal sum, an int8 K tail (scalar), the int8 channel
+ * scale, bf16 rounding. The same sequence for every (m, n) wherever the row falls: row- and
  * column-invariant by construction. Decode is bound by the integer dot products, which take
  * about half the instructions of widening each weight to fp32 (linear_quant_avx2.c), and by
  * how the weights stream in: each thread reads its rows in order (see linear_a8).
@@ -29,7 +28,6 @@
 #include <math.h>
 
 #define QB 32        /* inputs per activation block */
-#define NR 2        /* weight rows per register block */
 #define MB 4        /* input rows per register block */
 #define PREFETCH 512 /* bytes ahead of a weight row's read position */
 
@@ -61,88 +59,6 @@ static void quantize_row(const uint16_t *x, int K, int8_t *xq, float *d) {
 INLINE __m256i dot32(__m256i a, __m256i b, __m256i sgn) {
     __m256i p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(b, sgn));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
-
-/* 32 int4 weights (16 bytes) as unsigned nibbles u = q + 8 in input order (one 128-bit
- * load: a lane-crossing 256-bit shuffle costs 8 micro-ops on AMD Zen 1). */
-INLINE __m256i load_u4x32(const uint8_t *p) {
-    __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-}
-
-/* The scales of blocks b .. b + 7 (b a multiple of 8) of one int4 weight row as fp32: lane t
- * is the scale of block b + t. */
-INLINE __m256 scales8(const uint16_t *s, int b, int group) {
-    const uint16_t *p = s + b * QB / group;
-    __m128i h;
-    __m256i idx;
-    if (group == 32) {
-        h = _mm_loadu_si128((const __m128i *)p);
-        idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    } else if (group == 64) {
-        h = _mm_loadl_epi64((const __m128i *)p);
-        idx = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    } else { /* 128 */
-        uint32_t two;
-        memcpy(&two, p, 4);
-        h = _mm_cvtsi32_si128((int)two);
-        idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    }
-    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_permutevar8x32_ps(v, idx);
-}
-
-/* int4: nr adjacent weight rows against mb quantized input rows (xq, xs8 and d: see
- * linear_a8). The int32 lanes of dot32 on q = u - 8 and the same fp32 steps, in fewer
- * instructions: the nibbles stay unsigned (vpmaddubsw takes
- * them as its unsigned operand, no sign trick) and 8 * (the lane's sum of x) comes off each
- * int32 lane (xs8, per input row and block), which gives exactly the lanes of sum (u - 8) x;
- * the scale products d[m, b] * scale[n, group of b]
- * (the same fp32 products) made eight blocks at a time. */
-INLINE void rows4(const int8_t *xq, const int32_t *xs8, const float *d, int ldq, int mb,
-                  const uint8_t *w, const uint16_t *scale, int nr, int K, int group, uint16_t *y,
-                  int ldy) {
-    int nblk = K / QB, ldd = ldq / QB, srow = K / group, wrow = K / 2;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NR][MB];
-    float c[NR][MB][8] __attribute__((aligned(32)));
-    for (int i = 0; i < NR; i++)
-        for (int j = 0; j < MB; j++) acc[i][j] = _mm256_setzero_ps();
-#define STEP(u, bb, t)                                                                          \
-    for (int j = 0; j < mb; j++) {                                                              \
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * ldq + (bb) * QB));   \
-        __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones);                       \
-        l = _mm256_sub_epi32(l, _mm256_loadu_si256((const __m256i *)(xs8 +                      \
-                                                   ((size_t)j * ldd + (bb)) * 8)));             \
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), _mm256_broadcast_ss(&c[i][j][t]),   \
-                                    acc[i][j]);                                                 \
-    }
-    int b = 0;
-    for (; b + 8 <= nblk; b += 8) {
-        for (int i = 0; i < nr; i++) {
-            __m256 s8 = scales8(scale + (size_t)i * srow, b, group);
-            for (int j = 0; j < mb; j++)
-                _mm256_store_ps(c[i][j], _mm256_mul_ps(_mm256_loadu_ps(d + (size_t)j * ldd + b), s8));
-        }
-        for (int t = 0; t < 8; t += 2)
-            for (int i = 0; i < nr; i++) {
-                const uint8_t *wi = w + (size_t)i * wrow + (b + t) * (QB / 2);
-                if (t % 4 == 0) _mm_prefetch((const char *)wi + PREFETCH, _MM_HINT_T0);
-                __m256i u0 = load_u4x32(wi), u1 = load_u4x32(wi + QB / 2);
-                STEP(u0, b + t, t)
-                STEP(u1, b + t + 1, t + 1)
-            }
-    }
-    for (; b < nblk; b++) /* the last blocks, one at a time */
-        for (int i = 0; i < nr; i++) {
-            float s = bf16_to_f32(scale[(size_t)i * srow + b * QB / group]);
-            for (int j = 0; j < mb; j++) c[i][j][0] = d[(size_t)j * ldd + b] * s;
-            __m256i u = load_u4x32(w + (size_t)i * wrow + b * (QB / 2));
-            STEP(u, b, 0)
-        }
-#undef STEP
-    for (int i = 0; i < nr; i++)
-        for (int j = 0; j < mb; j++) y[(size_t)j * ldy + i] = f32_to_bf16(hsum(acc[i][j]));
 }
 
 /* Block b of input row j (at offset o of xq, xa) against the weight block wv (aw = |wv| when
@@ -194,75 +110,53 @@ INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, in
     }
 }
 
-/* bits 8: int8 (group 0: one scale a row) or int8g; bits 4: int4. */
-static int linear_a8(const uint16_t *x, const void *w, const uint16_t *scale, uint16_t *y, int M,
-                     int N, int K, int bits, int group, int full) {
-    int blocks = (K + QB - 1) / QB, ldq = blocks * QB, int4 = bits == 4;
-    /* Scratch: xq, then |xq| (int8) or 8 * the lane sums of xq (int4), and the scales d. */
-    size_t side = int4 ? (size_t)M * blocks * 8 * sizeof(int32_t) : (size_t)M * ldq;
-    int8_t *xq = malloc((size_t)M * ldq + side);
+/* int8 (group 0: one scale a row) or int8g. */
+static int linear_a8(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y, int M,
+                     int N, int K, int group, int full) {
+    int blocks = (K + QB - 1) / QB, ldq = blocks * QB;
+    /* Scratch: xq, then |xq|, and the scales d. */
+    int8_t *xq = malloc((size_t)M * ldq * 2);
     float *d = malloc((size_t)M * blocks * sizeof(float));
     if (!xq || !d) {
         free(xq);
         free(d);
         return -1;
     }
-    int8_t *xa = xq + (size_t)M * ldq;      /* int8 */
-    int32_t *xs8 = (int32_t *)(void *)xa; /* int4 (ldq is a multiple of 32: aligned enough) */
+    int8_t *xa = xq + (size_t)M * ldq;
     for (int m = 0; m < M; m++) {
         int8_t *q = xq + (size_t)m * ldq;
         quantize_row(x + (size_t)m * K, K, q, d + (size_t)m * blocks);
-        for (int b = 0; b < blocks; b++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * QB));
-            if (int4) {
-                __m256i sums = _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
-                _mm256_storeu_si256((__m256i *)(xs8 + ((size_t)m * blocks + b) * 8),
-                                    _mm256_slli_epi32(sums, 3));
-            } else if (!full) {
+        if (!full)
+            for (int b = 0; b < blocks; b++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * QB));
                 _mm256_storeu_si256((__m256i *)(xa + (size_t)m * ldq + b * QB), _mm256_abs_epi8(v));
             }
-        }
     }
-    size_t wrow = int4 ? (size_t)K / 2 : (size_t)K;
     size_t srow = group ? (size_t)(K / group) : 1;
     /* Each thread takes a contiguous run of weight rows and reads them in order, one
      * stream (the four rows of the previous register block were four streams: measured
-     * 1.5x slower on one int8 row). int8 rows go one at a time; int4 rows, with more to
-     * compute a byte, in pairs, two independent sums in flight. */
-    int nrb = int4 ? NR : 1, nblocks = (N + nrb - 1) / nrb;
+     * 1.5x slower on one int8 row), one row at a time. */
 #pragma omp parallel for schedule(static)
-    for (int p = 0; p < nblocks; p++) {
-        int n = p * nrb, nr = N - n < nrb ? N - n : nrb;
-        const uint8_t *wn = (const uint8_t *)w + n * wrow;
+    for (int n = 0; n < N; n++) {
+        const int8_t *wr = w + (size_t)n * K;
         const uint16_t *sn = scale + n * srow;
         for (int j0 = 0; j0 < M; j0 += MB) {
             int mb = M - j0 < MB ? M - j0 : MB;
             const int8_t *xb = xq + (size_t)j0 * ldq, *ab = xa + (size_t)j0 * ldq;
-            const int32_t *sb = xs8 + (size_t)j0 * blocks * 8;
             const float *db = d + (size_t)j0 * blocks;
             uint16_t *yb = y + (size_t)j0 * N + n;
             /* Constant block sizes keep the accumulators in registers; the arithmetic per
              * (m, n) is the same in every branch. */
-            if (!int4) {
-                const int8_t *wr = (const int8_t *)wn;
 #define ROW8(FULL)                                                                         \
     if (mb == MB) row8(xb, ab, db, ldq, MB, wr, sn, K, group, yb, N, FULL);                 \
     else if (mb == 1) row8(xb, ab, db, ldq, 1, wr, sn, K, group, yb, N, FULL);              \
     else row8(xb, ab, db, ldq, mb, wr, sn, K, group, yb, N, FULL);
-                if (full) {
-                    ROW8(1)
-                } else {
-                    ROW8(0)
-                }
-#undef ROW8
-            } else if (nr == NR) {
-                if (mb == MB) rows4(xb, sb, db, ldq, MB, wn, sn, NR, K, group, yb, N);
-                else if (mb == 1) rows4(xb, sb, db, ldq, 1, wn, sn, NR, K, group, yb, N);
-                else rows4(xb, sb, db, ldq, mb, wn, sn, NR, K, group, yb, N);
+            if (full) {
+                ROW8(1)
             } else {
-                rows4(xb, sb, db, ldq, mb, wn, sn, 1, K, group, yb, N);
+                ROW8(0)
             }
+#undef ROW8
         }
     }
     free(xq);
@@ -361,17 +255,12 @@ int rlt_linear_int8_token_avx2(const uint16_t *x, const int8_t *w, const uint16_
 
 int rlt_linear_int8_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
                             int M, int N, int K, int full) {
-    return linear_a8(x, w, scale, y, M, N, K, 8, 0, full);
+    return linear_a8(x, w, scale, y, M, N, K, 0, full);
 }
 
 int rlt_linear_int8g_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
                              uint16_t *y, int M, int N, int K, int group, int full) {
-    return linear_a8(x, w, scale, y, M, N, K, 8, group, full);
-}
-
-int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
-                            int M, int N, int K, int group) {
-    return linear_a8(x, w, scale, y, M, N, K, 4, group, 0);
+    return linear_a8(x, w, scale, y, M, N, K, group, full);
 }
 
 /* W4A8 on int4 weights repacked eight rows at a time (quant_kernels.int4_octets):
@@ -434,7 +323,7 @@ INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq
     }
 }
 
-int rlt_linear_int4_a8r_avx2(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
+int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
                              uint16_t *y, int M, int N, int K, int group) {
     int blocks = K / QB, ldq = K;
     int8_t *xq = malloc((size_t)M * ldq);

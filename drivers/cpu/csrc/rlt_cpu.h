@@ -32,11 +32,9 @@ int rlt_linear_int4_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *sc
  * products: W8A8 and W4A8 (see linear_a8_avx2.c). full: the int8 weight may hold -128. */
 int rlt_linear_int8_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
                             int M, int N, int K, int full);
-int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w, const uint16_t *scale, uint16_t *y,
-                            int M, int N, int K, int group);
 /* W4A8 on int4 repacked eight rows at a time (see linear_a8_avx2.c): w8 uint8 [N8 / 8, K / 32,
  * 8, 16], s8 bf16 [N8 / 8, K / group, 8], N8 = N rounded up to 8. */
-int rlt_linear_int4_a8r_avx2(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
+int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
                              uint16_t *y, int M, int N, int K, int group);
 /* int8 with one scale per group of inputs (int8g: scale bf16 [N, K / group]). */
 int rlt_linear_int8g_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
