@@ -194,6 +194,28 @@ def test_the_kernels_are_torch_custom_ops_the_profiler_sees():
     assert y.shape == (5, 16)
 
 
+def test_an_eager_call_skips_the_ops_dispatch_and_gives_its_bits(monkeypatch):
+    # Called on plain tensors outside the profiler and torch.compile, a kernel runs its
+    # function directly (the op's Python dispatch costs several times a decode row's kernel);
+    # the op gives the same bits, and is what runs under the profiler.
+    x, w = _operands(3, 16, 32)
+    through = []
+    real = kernels.rms_norm.op
+
+    class Counting:
+        def __call__(self, *args):
+            through.append(args)
+            return real(*args)
+
+    monkeypatch.setattr(kernels.rms_norm, "op", Counting(), raising=False)
+    eager = kernels.rms_norm(x, w[0], 1e-6)
+    assert not through
+    assert torch.equal(eager, torch.ops.rlt_cpu.rms_norm(x, w[0], 1e-6))
+    with torch.profiler.profile():
+        assert torch.equal(kernels.rms_norm(x, w[0], 1e-6), eager)
+    assert len(through) == 1
+
+
 def test_it_rejects_what_it_cannot_compute():
     x, w = _operands(2, 4, 8)
     with pytest.raises(TypeError, match="bf16 CPU tensors"):

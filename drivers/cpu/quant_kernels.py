@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drivers.cpu.kernels import VERSION, _bf16_cpu, _loaded, _ptr, library
+from drivers.cpu.kernels import VERSION, _bf16_cpu, _loaded, _ptr, custom_op, library
 from hal.kernels import Kernel, KernelUnavailable
 from hal.quant import GROUP_SIZES, QuantizedWeight
 
@@ -58,9 +58,9 @@ def _custom_op(name: str, op, doc: str):
     """``op`` as the custom op ``rlt_cpu::NAME(x, qweight, ...)``, with a fake implementation
     (``[..., N]`` bf16 from x and qweight ``[N, ...]``)."""
     op.__doc__ = doc
-    custom = torch.library.custom_op(f"rlt_cpu::{name}", op, mutates_args=())
-    custom.register_fake(lambda x, qweight, *_: x.new_empty(*x.shape[:-1], qweight.shape[0]))
-    return custom
+    return custom_op(
+        f"rlt_cpu::{name}", lambda x, qweight, *_: x.new_empty(*x.shape[:-1], qweight.shape[0])
+    )(op)
 
 
 def _int8_operands(name: str, x: Tensor, qweight: Tensor, scale: Tensor) -> tuple[int, int]:
@@ -191,14 +191,13 @@ def _int4_a8(x: Tensor, w8: Tensor, s8: Tensor, n: int, group: int) -> Tensor:
     return _quant_linear(name, x, w8, s8, n, k, group)
 
 
-linear_int4_a8_avx2 = torch.library.custom_op(
-    "rlt_cpu::linear_int4_a8_avx2", _int4_a8, mutates_args=()
-)
-linear_int4_a8_avx2.register_fake(lambda x, w8, s8, n, group: x.new_empty(*x.shape[:-1], n))
-linear_int4_a8_avx2.__doc__ = (
+_int4_a8.__doc__ = (
     "W4A8: ``linear_int4_avx2`` with x quantized per block of 32 "
     "(``hal.quant.quantize_activations``), int8 dot products, on ``int4_octets``' layout."
 )
+linear_int4_a8_avx2 = custom_op(
+    "rlt_cpu::linear_int4_a8_avx2", lambda x, w8, s8, n, group: x.new_empty(*x.shape[:-1], n)
+)(_int4_a8)
 TOKEN_MAX_K = 132103  # int32 sums of 127 * 128 products stay exact below this K
 linear_int8_token_avx2 = _int8_a8_op(
     "linear_int8_token_avx2",

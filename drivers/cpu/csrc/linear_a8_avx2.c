@@ -287,8 +287,8 @@ INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq
     for (int j = 0; j < MB; j++) acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nblk; b++) {
         const uint8_t *wb = w + (size_t)b * 128;
-        _mm_prefetch((const char *)wb + 4 * PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)wb + 4 * PREFETCH + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb + 8 * PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)wb + 8 * PREFETCH + 64, _MM_HINT_T0);
         if (b % per == 0) {
             __m128i h = _mm_loadu_si128((const __m128i *)(s + (size_t)(b / per) * 8));
             s8 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -305,11 +305,11 @@ INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq
             __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
             __m256i p[4];
             for (int r = 0; r < 4; r++)
-                p[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl),
-                                                          _mm256_maddubs_epi16(hi[r], xh)),
-                                         ones);
-            __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]),
-                                          _mm256_hadd_epi32(p[2], p[3]));
+                p[r] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl),
+                                        _mm256_maddubs_epi16(hi[r], xh));
+            __m256i h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]),
+                                                             _mm256_hadd_epi16(p[2], p[3])),
+                                          ones);
             h = _mm256_sub_epi32(h, _mm256_set1_epi32(sx8[(size_t)j * ldd + b]));
             __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[(size_t)j * ldd + b]), s8);
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), c, acc[j]);
