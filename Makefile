@@ -6,6 +6,11 @@ STAMP  := $(VENV)/.installed-stamp
 # The CPU build of torch for development and CI. The package itself only asks for a range:
 # Ascend users install the torch that matches their torch_npu.
 TORCH_PIN ?= torch==2.13.0
+# Which build of it (scripts/install_torch.py): auto (PyTorch's CPU index on an x86-64 box
+# without a CUDA GPU, unless a wheel is already on disk; else the registry's), cpu, cuda or
+# registry.
+TORCH_VARIANT ?= auto
+INSTALL_TORCH = scripts/install_torch.py "$(TORCH_PIN)" "$(TORCH_VARIANT)"
 # The real torch_npu release that pairs with TORCH_PIN (its import and error paths are tested
 # without CANN by make test-torch-npu).
 TORCH_NPU_PIN ?= torch-npu==2.13.0
@@ -15,7 +20,7 @@ TORCH_NPU_PIN ?= torch-npu==2.13.0
 $(STAMP): pyproject.toml examples/rlt-hal-acme/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python $(INSTALL_TORCH)
 	$(BIN)/python -m pip install -q -e ".[test]"
 	$(BIN)/python -m pip install -q --no-deps -e examples/rlt-hal-acme
 	touch $(STAMP)
@@ -61,7 +66,7 @@ FLOOR_VENV := .venv-floors
 
 test-floors: $(STAMP)
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(FLOOR_VENV)/bin/python $(INSTALL_TORCH)
 	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test]" $(FLOORS)
 	$(FLOOR_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_parity.py \
 		tests/test_detokenizer.py tests/test_cli.py tests/test_sampling.py tests/test_trained.py \
@@ -73,6 +78,7 @@ TORCH_NPU_VENV := .venv-torch-npu
 
 test-torch-npu: $(STAMP)
 	test -x $(TORCH_NPU_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_NPU_VENV)
+	$(TORCH_NPU_VENV)/bin/python $(INSTALL_TORCH)
 	$(TORCH_NPU_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" "$(TORCH_NPU_PIN)"
 	$(TORCH_NPU_VENV)/bin/python -m pip install -q -e ".[test]"
 	$(TORCH_NPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_npu_package.py
@@ -84,7 +90,7 @@ RAY_VENV := .venv-ray
 
 test-ray: $(STAMP)
 	test -x $(RAY_VENV)/bin/python || $(PYTHON) -m venv $(RAY_VENV)
-	$(RAY_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(RAY_VENV)/bin/python $(INSTALL_TORCH)
 	$(RAY_VENV)/bin/python -m pip install -q -e ".[test,ray]"
 	RAY_USAGE_STATS_ENABLED=0 $(RAY_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		tests/test_replicas.py
@@ -96,7 +102,7 @@ CLIENTS_VENV := .venv-clients
 
 test-clients: $(STAMP)
 	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
-	$(CLIENTS_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(CLIENTS_VENV)/bin/python $(INSTALL_TORCH)
 	$(CLIENTS_VENV)/bin/python -m pip install -q -e ".[test,clients]"
 	$(CLIENTS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_clients.py
 
@@ -108,7 +114,7 @@ COMPRESSED_VENV := .venv-compressed
 
 test-compressed: $(STAMP)
 	test -x $(COMPRESSED_VENV)/bin/python || $(PYTHON) -m venv $(COMPRESSED_VENV)
-	$(COMPRESSED_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(COMPRESSED_VENV)/bin/python $(INSTALL_TORCH)
 	$(COMPRESSED_VENV)/bin/python -m pip install -q -e ".[test,compressed]"
 	$(COMPRESSED_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_compressed_tools.py
 

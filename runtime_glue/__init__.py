@@ -1,6 +1,6 @@
 """Everything between a user and the HAL: loading, the Ouro executor, engine, server, CLI.
 
-``LLM``, ``CompletionOutput`` and ``SamplingParams`` load the engine (and torch) on first use,
+``LLM``, ``RequestOutput``, ``CompletionOutput`` and ``SamplingParams`` load the engine (and torch) on first use,
 so that the command line parses, and ``--help`` answers, without importing torch.
 
 May import: ``hal`` and ``runtime_glue.engine``. Each subpackage is a layer that declares its
@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING, Any
 import hal  # noqa: F401 - first: it keeps torch from auto-loading vendor stacks (see hal)
 
 if TYPE_CHECKING:
-    from runtime_glue.engine.llm import LLM, CompletionOutput
+    from runtime_glue.engine.llm import LLM, CompletionOutput, RequestOutput
     from runtime_glue.engine.sampling import SamplingParams
 
 _EXPORTS = {
     "LLM": "runtime_glue.engine.llm",
     "CompletionOutput": "runtime_glue.engine.llm",
+    "RequestOutput": "runtime_glue.engine.llm",
     "SamplingParams": "runtime_glue.engine.sampling",
 }
 
-__all__ = ["LLM", "CompletionOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -251,7 +251,8 @@ def default_server():
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
-    """A real ``rlt-hal serve`` process on a loopback port, one per test module."""
-    proc = ServerProcess(tiny_ckpt)
+    """A real ``rlt-hal serve`` process on a loopback port, one per test module (logging its
+    requests, as a deployment would)."""
+    proc = ServerProcess(tiny_ckpt, "--enable-log-requests")
     yield proc
     proc.stop()

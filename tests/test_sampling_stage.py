@@ -140,13 +140,17 @@ def test_prompt_logprobs_score_every_prompt_token_whatever_the_chunks_or_the_cac
 def test_n_samples_share_the_prompts_kv_and_equal_separate_requests(tiny_ckpt):
     llm = LLM(tiny_ckpt, block_size=16, num_blocks=64)
     params = SamplingParams(max_tokens=8, n=3, temperature=0.8, seed=21, ignore_eos=True)
-    outs = llm.generate([PROMPT, prompt_of(9, seed=4)], params)
-    assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
+    per_prompt = llm.generate([PROMPT, prompt_of(9, seed=4)], params)
+    assert [[o.index for o in r.outputs] for r in per_prompt] == [[0, 1, 2], [0, 1, 2]]
     assert llm.engine.stats["forked"] == 4  # the prompts computed once each
-    for o in outs:
-        alone = SamplingParams(max_tokens=8, temperature=0.8, seed=21 + o.index, ignore_eos=True)
-        assert llm.generate([list(o.prompt_token_ids)], alone)[0].token_ids == o.token_ids
-    assert len({o.token_ids for o in outs[:3]}) == 3
+    for r in per_prompt:
+        for o in r.outputs:
+            assert o.prompt_token_ids == r.prompt_token_ids
+            alone = SamplingParams(
+                max_tokens=8, temperature=0.8, seed=21 + o.index, ignore_eos=True
+            )
+            assert llm.generate([list(r.prompt_token_ids)], alone)[0].token_ids == o.token_ids
+    assert len({o.token_ids for o in per_prompt[0].outputs}) == 3
     llm.engine.audit_pages()
     assert llm.engine.num_free_blocks == 64
 

@@ -163,3 +163,45 @@ def test_vllms_chat_template_fields_render_as_tokenize_renders_them(server, tiny
     finally:
         trusting.stop()
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == text_ids["count"]
+
+
+def _chat(server, **fields):
+    body = {"model": "toy", "messages": MESSAGES, "temperature": 0, "max_tokens": 8, **fields}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_vllms_detokenizing_fields_as_vllm_defines_them(server, tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(tiny_ckpt).convert_tokens_to_ids("<|im_end|>")
+    forced = {"logit_bias": {str(end): 100}, "ignore_eos": True, "max_tokens": 2}
+    assert _chat(server, **forced)["choices"][0]["message"]["content"] == ""
+    shown = _chat(server, **forced, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert shown["choices"][0]["message"]["content"] == "<|im_end|><|im_end|>"
+    text = _chat(server, ignore_eos=True)["choices"][0]["message"]["content"]
+    stop = text[2:4]
+    at = text.find(stop)
+    cut = _chat(server, ignore_eos=True, stop=[stop])["choices"][0]["message"]["content"]
+    kept = _chat(server, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert cut == text[:at] and kept["choices"][0]["message"]["content"] == text[: at + 2]
+    assert kept["choices"][0]["finish_reason"] == "stop"
+
+
+def test_vllms_request_id_and_token_ids_as_logprob_tokens(server):
+    got = _chat(server, request_id="my-job-7", user="u1", metadata={"team": "a"})
+    assert got["id"] == "chatcmpl-my-job-7"
+    again = _chat(server, request_id="my-job-7")  # the same id again: a separate request
+    assert again["id"] == "chatcmpl-my-job-7"
+    assert 'request chatcmpl-my-job-7: user="u1" metadata={"team": "a"}' in server.output()
+    plain = _chat(server, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    ids = _chat(server, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+    as_ids = ids["choices"][0]["logprobs"]["content"]
+    assert [e["logprob"] for e in as_ids] == [e["logprob"] for e in plain]
+    for entry in as_ids:
+        assert entry["token"].startswith("token_id:") and entry["token"][9:].isdigit()
+        assert all(t["token"].startswith("token_id:") for t in entry["top_logprobs"])
+    detok = _post(server, "/detokenize",
+                  {"model": "toy", "tokens": [int(e["token"][9:]) for e in as_ids]})  # fmt: skip
+    assert detok.json()["prompt"] == "".join(e["token"] for e in plain)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
-from runtime_glue.server.tools import AutoStream, ToolPlan, _hermes_calls
+from runtime_glue.server.tools import MAX_PARALLEL_CALLS, AutoStream, ToolPlan, _hermes_calls
 from tests.server_helpers import ServerProcess
 
 SPECULATION = ("--speculative-loops", "1", "--num-speculative-tokens", "3")
@@ -168,7 +168,8 @@ def test_constrained_output_is_bit_identical_with_and_without_speculation(
     params = SamplingParams(
         max_tokens=300, seed=21, temperature=0.9, n=3, logprobs=2, structured_outputs=spec
     )
-    offline = local.generate([local.encode("a pet:")], params)
+    [request] = local.generate([local.encode("a pet:")], params)
+    offline = request.outputs
     assert [c["text"] for c in plain] == [o.text for o in offline]
     assert [c["logprobs"]["token_logprobs"] for c in plain] == [
         [row[t].logprob for t, row in zip(o.token_ids, o.logprobs, strict=True)] for o in offline
@@ -184,8 +185,8 @@ class Pet(BaseModel):
 def _parse_pets(client, seeds) -> None:
     for seed in seeds:
         got = client.chat.completions.parse(
-            model="toy", messages=USER, response_format=Pet, seed=seed, max_tokens=200
-        )
+            model="toy", messages=USER, response_format=Pet, seed=seed
+        )  # no max_tokens: a chat request runs to what is left of the context (vLLM's default)
         pet = got.choices[0].message.parsed
         assert isinstance(pet, Pet) and pet.kind in ("cat", "dog") and 0 <= pet.legs <= 8
 
@@ -376,6 +377,7 @@ def test_a_required_schema_is_the_tools_parameters():
     assert [c["properties"]["name"]["const"] for c in one["anyOf"]] == ["get_weather", "get_time"]
     many = json.loads(ToolPlan("required", tools, False, parallel=True).spec().text)
     assert many["type"] == "array" and many["minItems"] == 1 and many["items"] == one
+    assert many["maxItems"] == MAX_PARALLEL_CALLS
     named = json.loads(ToolPlan("named", tools, False, name="get_time").spec().text)
     assert named == TIME["function"]["parameters"]
 
@@ -402,8 +404,12 @@ def test_on_the_default_model_parse_and_a_required_call_succeed_every_time(defau
     _parse_pets(client, range(4))
     for seed in range(4):
         got = client.chat.completions.create(
-            model="toy", messages=USER, tools=TOOLS, tool_choice="required", seed=seed,
-            max_tokens=300,
-        )  # fmt: skip
+            model="toy",
+            messages=USER,
+            tools=TOOLS,
+            tool_choice="required",
+            seed=seed,
+        )  # fmt: skip  (parallel_tool_calls on, OpenAI's default; no max_tokens)
         assert got.choices[0].finish_reason == "tool_calls"
+        assert 1 <= len(got.choices[0].message.tool_calls) <= MAX_PARALLEL_CALLS
         _check_calls(got.choices[0].message.tool_calls)

@@ -165,10 +165,10 @@ def custom_op(qualname: str, fake):
                 or torch.autograd.profiler._is_profiler_enabled
                 or torch.compiler.is_compiling()
             ):
-                return call.op(*args)
+                return call.op(*args)  # type: ignore[attr-defined]
             return fn(*args)
 
-        call.op = op
+        call.op = op  # type: ignore[attr-defined]
         return call
 
     return wrap

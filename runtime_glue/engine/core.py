@@ -15,7 +15,7 @@ The engine connects four seams, each a module of its own: the scheduler decides 
 requests run which rows (``scheduler``: a plan of ``step.Scheduled``), the input builder turns
 the plan into the step's inputs (``step``), the runner replays a captured graph of the step or
 runs ``OuroModel.forward`` eagerly (``graphs``), and the engine samples (``sampler``) and
-applies what each request's rows computed (``output``: tokens, stops, ``RequestOutput``).
+applies what each request's rows computed (``output``: tokens, stops, ``RequestUpdate``).
 Speculative decoding (``speculative``) adds draft and verify rows through the scheduler and
 the builder; where K/V lives (per depth, or shared decode KV) is one strategy the scheduler,
 the validation and the builder ask (``kv_placement``).
@@ -37,7 +37,7 @@ from runtime_glue.engine.graphs import Replayed, StepGraphRunner, group_limits
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.kv_placement import KVPlacement, PerDepth
 from runtime_glue.engine.output import Outputs, request_output
-from runtime_glue.engine.request import Request, RequestOutput, Status
+from runtime_glue.engine.request import Request, RequestUpdate, Status
 from runtime_glue.engine.sampler import Sampled, Sampler
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.scheduler import EngineConfig, Scheduler
@@ -215,7 +215,10 @@ class Engine:
         if not params.greedy:
             req.seed = params.seed if params.seed is not None else secrets.randbits(62)
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )  # fmt: skip
         if self.config.enable_prefix_caching:
             salt = self.prefix_salt + b"|" + (params.cache_salt or "").encode()
             req.block_hashes = self.allocator.block_hashes(req.prompt_ids, salt)
@@ -282,7 +285,7 @@ class Engine:
 
     # -- the step --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestUpdate]:
         plan = self.scheduler.schedule()
         if not plan and self.waiting and not self.running:
             self.kv.reclaim(wait=True)  # pages behind a fence: wait for them
@@ -319,7 +322,7 @@ class Engine:
             self.stats.update(self.speculator.stats)
         return outputs
 
-    def _never_fits(self, req: Request) -> RequestOutput:
+    def _never_fits(self, req: Request) -> RequestUpdate:
         """End a waiting request that cannot start with nothing else running: validation
         admitted it, but the pool has shrunk since (another engine on it reserved pages)."""
         need = self.allocator.blocks_for(req.num_tokens)
@@ -359,7 +362,7 @@ class Engine:
             self.scheduler.trim(req, applied.keep, fence)
         return mine[: len(applied.accepted)]
 
-    def _fork(self, leader: Request, row: int, sampled: Sampled, fence) -> list[RequestOutput]:
+    def _fork(self, leader: Request, row: int, sampled: Sampled, fence) -> list[RequestUpdate]:
         """``leader``'s prompt is computed: each request following it shares its pages and
         takes its first token from the same logits row (with its own seed and history)."""
         outputs = []

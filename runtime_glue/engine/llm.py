@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 import logging
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -20,7 +21,7 @@ from runtime_glue.engine.kv_placement import placement_for
 from runtime_glue.engine.refusals import DEFAULT_SPECULATIVE_TOKENS, check_engine, why_not
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.speculative import SpeculativeConfig
-from runtime_glue.engine.tokenizer import load_tokenizer
+from runtime_glue.engine.tokenizer import load_tokenizer, render_chat
 from runtime_glue.engine.weights import (
     check_weights_fit,
     load_model_weights,
@@ -61,6 +62,58 @@ class CompletionOutput:
     logprobs: tuple[dict, ...] | None = None
     prompt_logprobs: tuple[dict | None, ...] | None = None
     index: int = 0  # which of the prompt's n samples
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs (vLLM's; None without ``logprobs``)."""
+        if self.logprobs is None:
+            return None
+        pairs = zip(self.logprobs, self.token_ids, strict=True)
+        return float(sum(lp[t].logprob for lp, t in pairs))
+
+
+@attrs.frozen
+class RequestMetrics:
+    """When a prompt arrived, got its first token and finished (``time.monotonic()``)."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+
+
+def _one(name: str):
+    def get(self: RequestOutput):
+        if len(self.outputs) != 1:
+            raise AttributeError(
+                f"RequestOutput.{name}: this prompt has {len(self.outputs)} outputs (n > 1): "
+                f"read outputs[i].{name}"
+            )
+        return getattr(self.outputs[0], name)
+
+    return property(get, doc=f"``outputs[0].{name}`` where the prompt has one output.")
+
+
+@attrs.frozen
+class RequestOutput:
+    """One prompt's result, in vLLM's shape: ``outputs`` holds its ``n`` samples
+    (``CompletionOutput``, by ``index``). Where there is one, its ``text``, ``token_ids``,
+    ``finish_reason``, ``logits``, ``exit_steps`` and ``logprobs`` read through (what
+    ``LLM.generate`` returned before it returned this: README, "Offline inference")."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    prompt_logprobs: tuple[dict | None, ...] | None = None
+    metrics: RequestMetrics | None = None
+
+    text = _one("text")
+    token_ids = _one("token_ids")
+    finish_reason = _one("finish_reason")
+    logits = _one("logits")
+    exit_steps = _one("exit_steps")
+    logprobs = _one("logprobs")
 
 
 def pool_blocks(
@@ -322,53 +375,148 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
-        sampling_params: SamplingParams | None = None,
+        prompts: PromptsLike,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
         return_logits: bool = False,
-    ) -> list[CompletionOutput]:
-        """Run every prompt through the engine together: one output per prompt, in order, or
-        with ``SamplingParams(n=N)`` N per prompt (prompt-major, each with its ``index``)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        encoded = [self.encode(p) for p in prompts]
-        for i, ids in enumerate(encoded):  # all checked before any is queued
+    ) -> list[RequestOutput]:
+        """Run every prompt through the engine together: one ``RequestOutput`` per prompt, in
+        order, each with ``SamplingParams(n=N)``'s N outputs. As vLLM's: a prompt is a string,
+        token ids, ``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``; ``sampling_params``
+        one for all or one per prompt; ``use_tqdm`` is accepted (no progress bar is drawn)."""
+        del use_tqdm
+        given = _prompt_list(prompts)
+        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
+                 for p in given]  # fmt: skip
+        encoded = [self.encode(_prompt_of(p)) for p in given]
+        return self._run(texts, encoded, sampling_params, return_logits)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of messages) or a list of them, each
+        rendered by the checkpoint's chat template (or ``chat_template``), then generated as
+        ``generate`` does; ``prompt`` is the rendered text."""
+        del use_tqdm
+        conversations = cast(
+            "list[list[dict]]",
+            messages if messages and isinstance(messages[0], list) else [messages],
+        )
+        kwargs = dict(chat_template_kwargs or {})
+        kwargs.update(add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message)  # fmt: skip
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
+        texts, ids = zip(
+            *(render_chat(self.tokenizer, c, **kwargs) for c in conversations), strict=True
+        )
+        return self._run(list(texts), list(ids), sampling_params, False)
+
+    def _run(
+        self,
+        texts: list[str | None],
+        encoded: list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        return_logits: bool,
+    ) -> list[RequestOutput]:
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(encoded):
+                raise ValueError(
+                    f"{len(sampling_params)} sampling params for {len(encoded)} prompts: give "
+                    "one for all or one per prompt"
+                )
+            params_of = list(sampling_params)
+        else:
+            params_of = [sampling_params or SamplingParams()] * len(encoded)
+        for i, (ids, params) in enumerate(
+            zip(encoded, params_of, strict=True)
+        ):  # all checked first
             if not ids:
                 raise InvalidRequest(f"prompt {i} is empty", "prompt")
             try:
                 self.engine.validate(ids, params)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"prompt {i}: {exc}", exc.param) from None
-        reqs = {}
-        for ids in encoded:
-            leader = None
-            for j, child in enumerate(_samples(params)):
+        prompts = []
+        for ids, params in zip(encoded, params_of, strict=True):
+            leader, by_id = None, {}
+            for child in _samples(params):
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
                 self.engine.add_request(rid, ids, child, return_logits, follows=leader)
-                reqs[rid] = (self.engine.requests[rid], ids, j)
+                by_id[rid] = self.engine.requests[rid]  # (finished requests leave the engine)
                 leader = leader or rid
+            prompts.append((by_id, ids, params))
         while self.engine.has_unfinished():
             self.engine.step()
-        outputs = []
-        for rid, (req, ids, j) in reqs.items():
-            if req.finish_reason == "error":
-                raise RuntimeError(f"request {rid} failed: {req.error}")
-            logits = torch.stack(req.logits) if return_logits and req.logits else None
-            outputs.append(
+        finished = time.monotonic()
+        results = []
+        for text, (of_prompt, ids, params) in zip(texts, prompts, strict=True):
+            for rid, req in of_prompt.items():
+                if req.finish_reason == "error":
+                    raise RuntimeError(f"request {rid} failed: {req.error}")
+            reqs = list(of_prompt.values())
+            outputs = [
                 CompletionOutput(
                     tuple(ids),
                     tuple(req.output_ids),
                     req.text,
                     req.finish_reason,
-                    logits,
+                    torch.stack(req.logits) if return_logits and req.logits else None,
                     tuple(req.exit_steps),
                     None if params.logprobs is None else tuple(req.logprobs),
                     None if params.prompt_logprobs is None else tuple(req.prompt_logprobs),
                     j,
                 )
+                for j, req in enumerate(reqs)
+            ]
+            first = [r.first_token_time for r in reqs if r.first_token_time is not None]
+            results.append(
+                RequestOutput(
+                    next(iter(of_prompt)),
+                    text,
+                    tuple(ids),
+                    outputs,
+                    prompt_logprobs=outputs[0].prompt_logprobs,
+                    metrics=RequestMetrics(
+                        reqs[0].arrival_time, min(first, default=None), finished
+                    ),
+                )
             )
-        return outputs
+        return results
+
+
+PromptsLike = str | list[int] | dict | list[str] | list[list[int]] | list[dict]
+
+
+def _prompt_list(prompts: PromptsLike) -> list[str | list[int] | dict]:
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        return [cast("str | list[int] | dict", prompts)]
+    return list(cast("list[str | list[int] | dict]", prompts))
+
+
+def _prompt_of(prompt: str | list[int] | dict) -> str | list[int]:
+    """A prompt's text or token ids, from any form ``generate`` takes."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"]
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise InvalidRequest(
+        f"a prompt dict holds 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}", "prompt"
+    )
 
 
 def _samples(params: SamplingParams) -> list[SamplingParams]:

@@ -1,6 +1,6 @@
 """What a step's sampled rows become for their request: each token appended with its exit
 loop (and its logits and log-probabilities when asked), the request's stop conditions checked,
-its prompt's log-probabilities scored, and the ``RequestOutput`` a caller sees.
+its prompt's log-probabilities scored, and the ``RequestUpdate`` a caller sees.
 
 The engine hands each request the rows it emits (``Engine._apply`` decides which: a prompt's
 last row, a verify step's accepted rows); ``finish`` is the engine's, which takes a finished
@@ -12,14 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from runtime_glue.engine.request import Request, RequestOutput
+from runtime_glue.engine.request import Request, RequestUpdate
 from runtime_glue.engine.sampler import Sampled, Sampler
 from runtime_glue.engine.step import HostStep
 
 
-def request_output(req: Request, new: tuple[int, ...]) -> RequestOutput:
+def request_output(req: Request, new: tuple[int, ...]) -> RequestUpdate:
     """``req`` as a caller sees it now; ``new``: the tokens this step gave it."""
-    return RequestOutput(
+    return RequestUpdate(
         req.request_id,
         new,
         tuple(req.output_ids),
@@ -45,7 +45,7 @@ class Outputs:
     ) -> None:
         self.sampler, self.stats, self.finish = sampler, stats, finish
 
-    def emit(self, req: Request, rows: list[int], sampled: Sampled) -> RequestOutput:
+    def emit(self, req: Request, rows: list[int], sampled: Sampled) -> RequestUpdate:
         """Append the tokens of ``rows`` to ``req``'s output until it finishes."""
         new = []
         for j in rows:

@@ -84,7 +84,7 @@ class Request:
 
 
 @attrs.frozen
-class RequestOutput:
+class RequestUpdate:
     """One request's news after a step: tokens added this step, and the state so far."""
 
     request_id: str

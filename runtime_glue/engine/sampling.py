@@ -89,6 +89,12 @@ class SamplingParams:
     # {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}; or a parsed
     # StructuredSpec (the server's, from response_format, keeps its ``strict``).
     structured_outputs: Mapping[str, Any] | StructuredSpec | None = None
+    # vLLM's detokenizing controls: special tokens left out of the text (the default), and a
+    # stop string kept at the end of the text that it ended. spaces_between_special_tokens is
+    # accepted for vLLM's sake: fast tokenizers (the only kind loaded) decode without it.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:

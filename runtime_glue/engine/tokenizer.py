@@ -19,3 +19,10 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+
+
+def render_chat(tokenizer, messages: list[dict], **kwargs) -> tuple[str, list[int]]:
+    """``messages`` rendered by the tokenizer's chat template (``apply_chat_template``'s
+    keyword arguments), and that text's token ids: a chat request's prompt, served or offline."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    return text, tokenizer.encode(text, add_special_tokens=False)

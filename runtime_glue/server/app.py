@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import json
 import logging
 import signal
 import socket
@@ -25,9 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import InvalidRequest
 from runtime_glue.engine.llm import build_llm
-from runtime_glue.engine.request import RequestOutput
+from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.structured import StructuredOutputError, StructuredSpec
+from runtime_glue.engine.tokenizer import render_chat
 from runtime_glue.server import DEFAULT_JSON_WHITESPACE, DEFAULT_MAX_REQUEST_BYTES
 from runtime_glue.server.args import ServerArgs
 from runtime_glue.server.engine_loop import EngineFailed, EngineLoop
@@ -46,6 +48,7 @@ from runtime_glue.server.tokenizing import Tokenizing
 from runtime_glue.server.tools import ToolError, ToolPlan, plan_tools, renders_tools
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("rlt_hal.requests")  # --enable-log-requests
 
 
 class Server:
@@ -62,6 +65,7 @@ class Server:
             shutdown_timeout=options.shutdown_timeout,
             json_whitespace=None if options.json_whitespace == "any" else options.json_whitespace,
             trust_request_chat_template=options.trust_request_chat_template,
+            log_requests=options.enable_log_requests,
         )
 
     def __init__(
@@ -74,8 +78,15 @@ class Server:
         shutdown_timeout: float = 10.0,
         json_whitespace: str | None = DEFAULT_JSON_WHITESPACE,
         trust_request_chat_template: bool = False,
+        log_requests: bool = False,
     ) -> None:
         self.llm = llm
+        self.log_requests = log_requests
+        if log_requests and not request_log.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s"))
+            request_log.addHandler(handler)
+            request_log.setLevel(logging.INFO)
         self.trust_request_chat_template = trust_request_chat_template
         self.tokenizing = Tokenizing(llm.model_dir)  # off the event loop, bounded
         self.renders_tools = renders_tools(self.tokenizing.tokenizer.chat_template)
@@ -89,6 +100,16 @@ class Server:
         self.max_request_bytes = max_request_bytes
         self.loop = EngineLoop(llm.engine)
         self.created = int(time.time())
+
+    def log_request(self, shown: str, body, choices) -> None:
+        """One line for an admitted request (--enable-log-requests): who asked (OpenAI's
+        ``user`` and ``metadata``) and what it asked for; never the prompt's text."""
+        prompts = {c.prompt: len(c.ids) for c in choices}
+        request_log.info(
+            "request %s: user=%s metadata=%s prompt_tokens=%s n=%d max_tokens=%s stream=%s",
+            shown, json.dumps(body.user), json.dumps(getattr(body, "metadata", None), sort_keys=True),
+            list(prompts.values()), body.n, choices[0].params.max_tokens, body.stream,
+        )  # fmt: skip
 
     # -- request preparation (handler side: validation and tokenisation only) ------------
 
@@ -229,7 +250,9 @@ class Server:
         size = sum(len(str(m.get("content", ""))) for m in messages)
         kwargs = {"add_generation_prompt": True, **template_kwargs}
         try:
-            return await self.tokenizing.run(size, lambda tok: _chat_ids(tok, messages, **kwargs))
+            return await self.tokenizing.run(
+                size, lambda tok: render_chat(tok, messages, **kwargs)[1]
+            )
         except (jinja2.TemplateError, ValueError) as exc:  # ValueError: transformers' checks
             raise ApiError(
                 400, f"the chat template failed on these messages: {exc}", param="messages"
@@ -254,7 +277,7 @@ class Server:
         (``EngineLoop.submit_all``)."""
         return self.loop.submit_all(requests)
 
-    async def outputs(self, rid: str, sink, request: Request) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, rid: str, sink, request: Request) -> AsyncIterator[RequestUpdate]:
         """The engine's outputs for one submitted request; aborts it if the client goes away."""
         finished = False
         try:
@@ -283,11 +306,6 @@ class Server:
 
 def _decoder(ids: list[int]):
     return lambda tokenizer: tokenizer.decode(ids)
-
-
-def _chat_ids(tokenizer, messages: list[dict], add_special_tokens=False, **kwargs) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def build_app(server: Server) -> FastAPI:
@@ -345,7 +363,11 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         chat = isinstance(body, ChatCompletionRequest)
         texts = await server.prompt_texts(body, prompts)
         render = Render(chat, body, server.decode_one, texts, tools)
-        return await respond(server, body, choices, request, f"{prefix}-{uuid.uuid4().hex}", render)
+        rid = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sends
+        shown = f"{prefix}-{body.request_id}" if body.request_id else rid  # vLLM's request_id
+        if server.log_requests:
+            server.log_request(shown, body, choices)
+        return await respond(server, body, choices, request, rid, render, shown)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

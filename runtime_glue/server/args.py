@@ -33,6 +33,12 @@ class ServerArgs:
         "use a chat_template a chat request gives (vLLM's flag; else such a request is a 400)",
         action="store_true",
     )
+    enable_log_requests: bool = cli_field(
+        False,
+        "log each request on standard error as it is admitted: its id, the caller's user and "
+        "metadata, prompt tokens, n, max_tokens and stream (vLLM's flag)",
+        action="store_true",
+    )
     default_max_tokens: int = cli_field(
         16,
         "a completions request's max_tokens when it gives none (16, as OpenAI's legacy "

@@ -1,7 +1,7 @@
 """One thread owns the engine; HTTP handlers talk to it through queues only.
 
 Handlers never touch device state: they submit requests (id, prompt ids, params, follows; a
-request's choices in one command) and receive ``RequestOutput`` objects on an asyncio queue
+request's choices in one command) and receive ``RequestUpdate`` objects on an asyncio queue
 each; an abort is a message too. Errors from ``add_request`` come back on the same queue as an
 exception.
 """
@@ -16,7 +16,7 @@ import threading
 import time
 
 from runtime_glue.engine.core import Engine
-from runtime_glue.engine.request import RequestOutput
+from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server.metrics import Metrics
 from runtime_glue.server.protocol import ApiError
@@ -148,7 +148,7 @@ class EngineLoop:
                 self._finish_metrics("abort")
             self._sinks.pop(rid, None)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, out: RequestUpdate) -> None:
         self.metrics.generated_tokens.inc(len(out.new_token_ids))
         for step in out.exit_steps[len(out.exit_steps) - len(out.new_token_ids) :]:
             self.metrics.exit_step.observe(step)
@@ -156,7 +156,7 @@ class EngineLoop:
             self._finish_metrics(out.finish_reason or "stop", out)
         self._send(out.request_id, out)
 
-    def _finish_metrics(self, status: str, out: RequestOutput | None = None) -> None:
+    def _finish_metrics(self, status: str, out: RequestUpdate | None = None) -> None:
         self.metrics.requests.labels(status).inc()
         if out is not None and out.first_token_time is not None:
             self.metrics.ttft.observe(out.first_token_time - out.arrival_time)

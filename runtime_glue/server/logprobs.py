@@ -10,7 +10,8 @@
   text) -> ``{logprob, rank, decoded_token}``.
 
 The values are the engine's floats as they are (JSON carries a float exactly); ``-inf``, which
-JSON cannot, is sent as -9999.0, as vLLM sends it.
+JSON cannot, is sent as -9999.0, as vLLM sends it. With vLLM's ``return_tokens_as_token_ids``
+(``as_ids``) every token is named ``"token_id:N"`` instead of by its text.
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token or ""
 
 
+def _name(token: int, lp: Logprob, as_ids: bool) -> str:
+    return f"token_id:{token}" if as_ids else _text(lp)
+
+
 class CompletionLogprobs:
     """One choice's legacy logprobs, built up as tokens come (``offset``: where the next
     token's text begins in the choice's text)."""
 
-    def __init__(self, decode: Callable[[int], str], offset: int = 0) -> None:
-        self.decode, self.offset = decode, offset
+    def __init__(self, decode: Callable[[int], str], offset: int = 0, as_ids: bool = False):
+        self.decode, self.offset, self.as_ids = decode, offset, as_ids
 
     def block(self, tokens: Sequence[int], rows: Sequence[dict | None]) -> dict:
         """The shape for ``tokens`` (a prompt's or generated), each with its row (``None``: a
@@ -43,9 +48,11 @@ class CompletionLogprobs:
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, row in zip(tokens, rows, strict=True):
             text = self.decode(token) if row is None else _text(row[token])
-            out["tokens"].append(text)
+            out["tokens"].append(f"token_id:{token}" if self.as_ids else text)
             out["token_logprobs"].append(None if row is None else _value(row[token]))
-            top = None if row is None else {_text(lp): _value(lp) for lp in row.values()}
+            top = None if row is None else {
+                _name(t, lp, self.as_ids): _value(lp) for t, lp in row.items()
+            }  # fmt: skip
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
@@ -61,17 +68,20 @@ def join(*blocks: dict) -> dict:
     return out
 
 
-def _entry(lp: Logprob) -> dict:
-    text = _text(lp)
+def _entry(token: int, lp: Logprob, as_ids: bool) -> dict:
+    text = _name(token, lp, as_ids)
     return {"token": text, "logprob": _value(lp), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_content(tokens: Sequence[int], rows: Sequence[dict], top: int) -> list[dict]:
+def chat_content(
+    tokens: Sequence[int], rows: Sequence[dict], top: int, as_ids: bool = False
+) -> list[dict]:
     """The chat shape's ``content`` entries of ``tokens``; ``top``: ``top_logprobs``."""
     out = []
     for token, row in zip(tokens, rows, strict=True):
-        best = sorted((lp for lp in row.values() if lp.rank <= top), key=lambda lp: lp.rank)
-        out.append({**_entry(row[token]), "top_logprobs": [_entry(lp) for lp in best[:top]]})
+        best = sorted((it for it in row.items() if it[1].rank <= top), key=lambda it: it[1].rank)
+        tops = [_entry(t, lp, as_ids) for t, lp in best[:top]]
+        out.append({**_entry(token, row[token], as_ids), "top_logprobs": tops})
     return out
 
 

@@ -97,6 +97,15 @@ class _SamplingFields(BaseModel):
     # vLLM's: a scheduling priority, which its default first-come-first-served policy (and
     # rlt-hal's only one) refuses unless 0.
     priority: int = 0
+    # vLLM's: special tokens in the text or not, the stop string kept at the end of the text
+    # (SamplingParams), the caller's id for the request (the response's id is the prefix and
+    # it), and logprobs' tokens named "token_id:N". spaces_between_special_tokens: accepted,
+    # no effect with a fast tokenizer (the only kind loaded).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -166,6 +175,9 @@ class _SamplingFields(BaseModel):
             logprobs=self._logprobs(),
             prompt_logprobs=self._prompt_logprobs(),
             structured_outputs=structured,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     @property

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import attrs
 
-from runtime_glue.engine.request import RequestOutput
+from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server import logprobs as lp
 from runtime_glue.server.tools import AutoStream, ToolPlan
@@ -39,11 +39,11 @@ class Progress:
 
     def __init__(self, tools: ToolPlan | None) -> None:
         self.text, self.tokens, self.exit_steps, self.opened = "", 0, 0, False
-        self.last: RequestOutput | None = None
+        self.last: RequestUpdate | None = None
         self.auto = AutoStream() if tools is not None and tools.mode == "auto" else None
         self.logprobs: lp.CompletionLogprobs | None = None
 
-    def advance(self, out: RequestOutput) -> str:
+    def advance(self, out: RequestUpdate) -> str:
         """The text ``out`` adds to what was sent (held back while a character is split)."""
         self.last = out
         text = stable_text(out.text, out.finished)
@@ -74,7 +74,7 @@ class Render:
 
     # -- whole responses ---------------------------------------------------------------------
 
-    def choice(self, choice: Choice, out: RequestOutput) -> dict:
+    def choice(self, choice: Choice, out: RequestUpdate) -> dict:
         reason = out.finish_reason
         if self.chat:
             content: str | None = out.text
@@ -98,28 +98,31 @@ class Render:
             result["exit_steps"] = list(out.exit_steps)
         return result
 
-    def extras(self, finals: dict[int, RequestOutput]) -> dict:
+    def extras(self, finals: dict[int, RequestUpdate]) -> dict:
         """Response-level fields: chat's ``prompt_logprobs`` (one prompt: choice 0's)."""
         if not self.chat or self.body.prompt_logprobs is None or not finals:
             return {}
         first = finals[min(finals)]
         return {"prompt_logprobs": lp.prompt_logprobs(first.prompt_logprobs or ())}
 
-    def _chat_logprobs(self, out: RequestOutput, start: int) -> dict | None:
+    def _chat_logprobs(self, out: RequestUpdate, start: int) -> dict | None:
         if not self.chat or not self.body.logprobs or out.logprobs is None:
             return None
         tokens, rows = out.token_ids[start:], out.logprobs[start:]
-        return {"content": lp.chat_content(tokens, rows, self.body.top_logprobs or 0)}
+        as_ids = bool(self.body.return_tokens_as_token_ids)
+        return {"content": lp.chat_content(tokens, rows, self.body.top_logprobs or 0, as_ids)}
 
     def _completion_logprobs(
-        self, choice: Choice, out: RequestOutput, start: int, progress: Progress
+        self, choice: Choice, out: RequestUpdate, start: int, progress: Progress
     ) -> dict | None:
         """Legacy logprobs of the tokens from ``start`` (an echoed prompt's first, once)."""
         if self.chat or self.body.logprobs is None or out.logprobs is None:
             return None
         blocks = []
         if progress.logprobs is None:
-            progress.logprobs = lp.CompletionLogprobs(self.decode)
+            progress.logprobs = lp.CompletionLogprobs(
+                self.decode, as_ids=bool(self.body.return_tokens_as_token_ids)
+            )
             if self.echo:
                 blocks.append(progress.logprobs.block(choice.ids, out.prompt_logprobs or ()))
                 progress.logprobs.offset = len(self.prompt_texts[choice.prompt])
@@ -134,7 +137,7 @@ class Render:
             return None
         return self._delta(choice.index, {"role": "assistant", "content": ""}, None, None)
 
-    def delta(self, choice: Choice, out: RequestOutput, progress: Progress) -> dict | None:
+    def delta(self, choice: Choice, out: RequestUpdate, progress: Progress) -> dict | None:
         """The chunk payload of what ``out`` adds, or None when there is nothing to send yet."""
         text = progress.advance(out)
         held = self.chat and self.tools is not None and self.tools.parses
@@ -162,7 +165,7 @@ class Render:
             progress.exit_steps = len(out.exit_steps)
         return payload
 
-    def _held_calls(self, out: RequestOutput, progress: Progress, reason):
+    def _held_calls(self, out: RequestUpdate, progress: Progress, reason):
         """The end of a held-back output: the content not sent yet, and the tool calls."""
         assert self.tools is not None
         content, calls = self.tools.calls(out.text)

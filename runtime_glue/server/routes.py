@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import attrs
 from fastapi.responses import StreamingResponse
 
-from runtime_glue.engine.request import RequestOutput
+from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server.protocol import ApiError, error_body
 from runtime_glue.server.render import Choice, Progress, Render
@@ -44,7 +44,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def _total_usage(choices: list[Choice], outs: dict[int, RequestOutput]) -> dict:
+def _total_usage(choices: list[Choice], outs: dict[int, RequestUpdate]) -> dict:
     prompts = {c.prompt: len(c.ids) for c in choices}  # once per prompt
     generated = sum(len(out.token_ids) for out in outs.values())
     return _usage(sum(prompts.values()), generated)
@@ -56,7 +56,7 @@ def _sse(obj) -> str:
 
 async def _merged(
     server, choices: list[Choice], rid: str, request
-) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+) -> AsyncIterator[tuple[Choice, RequestUpdate]]:
     """Every choice's engine outputs, as they come. All are submitted at once, in order (a
     follower after the choice it follows). Ending early (an error, a client gone) aborts the
     engine requests still running (``Server.outputs``)."""
@@ -104,13 +104,17 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def respond(server, body, choices: list[Choice], request, rid: str, render: Render):
-    head = {"id": rid, "created": int(time.time()), "model": server.model_name}
+async def respond(
+    server, body, choices: list[Choice], request, rid: str, render: Render, shown: str
+):
+    """The response (or stream) of a request whose choices run as engine requests ``rid``
+    (``rid-i`` for several); ``shown``: its ``id``."""
+    head = {"id": shown, "created": int(time.time()), "model": server.model_name}
     outputs = _merged(server, choices, rid, request)
     if body.stream:
         stream = _Stream(render, head, choices, body)
         return StreamingResponse(stream.events(outputs), media_type="text/event-stream")
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, RequestUpdate] = {}
     async for choice, out in outputs:
         if out.finished:
             finals[choice.index] = out

@@ -4,8 +4,9 @@
 - ``required`` and a named function are enforced by a JSON schema built from the tools'
   parameter schemas (``runtime_glue.engine.structured``), so the output is always a call: a
   named function's output is its arguments object (vLLM's way); ``required`` gives
-  ``{"name": ..., "arguments": {...}}``, or a non-empty list of them when
-  ``parallel_tool_calls`` is true (OpenAI's default);
+  ``{"name": ..., "arguments": {...}}``, or a list of 1 to ``MAX_PARALLEL_CALLS`` of them
+  when ``parallel_tool_calls`` is true (OpenAI's default): a bound, so that a model that keeps
+  choosing another call still ends its list (a weak or random one did, until max_tokens);
 - ``auto`` (OpenAI's default when tools are given) follows the checkpoint's chat template: a
   template that renders ``tools`` gets them, and the output's ``<tool_call>{...}</tool_call>``
   blocks (the Hermes convention such templates teach, as Qwen's) become calls. A template that
@@ -29,6 +30,8 @@ from jinja2 import meta
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime_glue.engine.structured import StructuredSpec
+
+MAX_PARALLEL_CALLS = 8  # calls a required output may hold with parallel_tool_calls
 
 
 class FunctionDefinition(BaseModel):
@@ -136,7 +139,11 @@ class ToolPlan:
                 for name, f in functions.items()
             ]
             one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-            schema = {"type": "array", "items": one, "minItems": 1} if self.parallel else one
+            schema = (
+                {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+                if self.parallel
+                else one
+            )
             strict = any(f.get("strict") for f in functions.values())
         return StructuredSpec("json", _compact(schema), strict=strict, whitespace="", param="tools")
 
