@@ -5,7 +5,7 @@
 
 - ``auto`` (the default): the CPU build from PyTorch's CPU wheel index on an x86-64 box without
   a CUDA GPU (the package registry's torch is the multi-GB CUDA build there), unless a wheel
-  for the pin is already on this machine (pip's find-links or a local index: then that one),
+  for the pin is already on this machine (in pip's find-links: then that one),
   or that index cannot be reached within a few seconds (then the registry's, said so);
   the registry's on a box with a CUDA GPU (its CUDA build) and on other architectures
   (aarch64's registry wheel is the CPU build);
@@ -69,11 +69,11 @@ def _cuda_gpu() -> bool:
 
 
 def _on_disk(python: str, pin: str) -> bool:
-    """Whether pip resolves the pin without a network index (its find-links, file:// ones)."""
+    """Whether pip resolves the pin without any index, from its find-links alone (never the
+    network: ``--no-index``)."""
     done = subprocess.run(
         [python, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet",
-         "--report", "-",
-         "--index-url", "file:///nonexistent", pin],
+         "--report", "-", "--no-index", pin],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:

@@ -222,6 +222,8 @@ def test_it_rejects_what_it_cannot_compute():
         kernels.linear_avx2(x.float(), w)
     with pytest.raises(TypeError, match="same strides"):
         kernels.silu_mul(x, x[:, :4])
+    with pytest.raises(ValueError, match=r"rms_norm: x \[\.\.\., 8\] and weight \[16\]"):
+        kernels.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-6)
 
 
 @pytest.fixture

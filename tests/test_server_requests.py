@@ -180,6 +180,11 @@ def test_vllms_detokenizing_fields_as_vllm_defines_them(server, tiny_ckpt):
     assert _chat(server, **forced)["choices"][0]["message"]["content"] == ""
     shown = _chat(server, **forced, skip_special_tokens=False, spaces_between_special_tokens=False)
     assert shown["choices"][0]["message"]["content"] == "<|im_end|><|im_end|>"
+    # The token that ends a request adds no text (vLLM's), unless include_stop_str_in_output.
+    ending = {**forced, "ignore_eos": False, "stop_token_ids": [end], "skip_special_tokens": False}
+    assert _chat(server, **ending)["choices"][0]["message"]["content"] == ""
+    kept_end = _chat(server, **ending, include_stop_str_in_output=True)["choices"][0]
+    assert kept_end["message"]["content"] == "<|im_end|>" and kept_end["finish_reason"] == "stop"
     text = _chat(server, ignore_eos=True)["choices"][0]["message"]["content"]
     stop = text[2:4]
     at = text.find(stop)
@@ -194,7 +199,7 @@ def test_vllms_request_id_and_token_ids_as_logprob_tokens(server):
     assert got["id"] == "chatcmpl-my-job-7"
     again = _chat(server, request_id="my-job-7")  # the same id again: a separate request
     assert again["id"] == "chatcmpl-my-job-7"
-    assert 'request chatcmpl-my-job-7: user="u1" metadata={"team": "a"}' in server.output()
+    assert 'request "chatcmpl-my-job-7": user="u1" metadata={"team": "a"}' in server.output()
     plain = _chat(server, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
     ids = _chat(server, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
     as_ids = ids["choices"][0]["logprobs"]["content"]

@@ -232,6 +232,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF's RMSNorm (two bf16 roundings) over the last dim, its sum of squares in a fixed order."""
     _bf16_cpu("rms_norm", x, weight)
     n = weight.shape[0]
+    if x.shape[-1] != n:
+        raise ValueError(f"rms_norm: x [..., {x.shape[-1]}] and weight [{n}] do not match")
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, n).contiguous()
     out = torch.empty_like(rows)
     library()[1].rlt_rms_norm(

@@ -153,7 +153,7 @@ linear_int8_a8_avx2 = _int8_a8_op(
     "(``hal.quant.quantize_activations``), int8 dot products; ``full``: qweight may hold -128.",
 )
 OCTET = 8  # rows the W4A8 kernel reads together
-OCTET_LANES = (0, 2, 4, 6, 1, 3, 5, 7)  # the rows' order in its sums (three vphaddd's)
+OCTET_LANES = (0, 2, 4, 6, 1, 3, 5, 7)  # the rows' order its vphaddw / vpmaddwd sums leave
 
 
 def int4_octets(w: QuantizedWeight) -> tuple[Tensor, Tensor]:

@@ -74,7 +74,8 @@ class CompletionOutput:
 
 @attrs.frozen
 class RequestMetrics:
-    """When a prompt arrived, got its first token and finished (``time.monotonic()``)."""
+    """When a prompt arrived and got its first token, and when the ``generate`` call's batch
+    finished (``time.monotonic()``)."""
 
     arrival_time: float
     first_token_time: float | None

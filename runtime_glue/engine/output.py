@@ -73,8 +73,13 @@ class Outputs:
 
     def _check_stop(self, req: Request, token: int) -> None:
         params, detok = req.params, req.detokenizer
-        cut = detok.add(token) if detok is not None else None
-        stops = token in params.stop_ids(self.sampler.eos)
+        stop_token = token in params.stop_ids(self.sampler.eos)
+        # As vLLM's detokenizer: the token that ends a request (EOS, a stop token id) adds no
+        # text unless include_stop_str_in_output (it shows with skip_special_tokens off).
+        ends_here = stop_token and len(req.output_ids) >= params.min_tokens
+        shown = not ends_here or params.include_stop_str_in_output
+        cut = detok.add(token) if detok is not None and shown else None
+        stops = stop_token
         if req.matcher is not None and req.matcher.is_terminated():
             stops = True  # the grammar allows nothing more (ignore_eos or not)
         if (stops or cut is not None) and len(req.output_ids) >= params.min_tokens:

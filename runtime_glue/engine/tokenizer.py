@@ -21,8 +21,11 @@ def load_tokenizer(model_dir: str | Path):
     return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
 
 
-def render_chat(tokenizer, messages: list[dict], **kwargs) -> tuple[str, list[int]]:
+def render_chat(
+    tokenizer, messages: list[dict], add_special_tokens: bool = False, **kwargs
+) -> tuple[str, list[int]]:
     """``messages`` rendered by the tokenizer's chat template (``apply_chat_template``'s
-    keyword arguments), and that text's token ids: a chat request's prompt, served or offline."""
+    keyword arguments), and that text's token ids: a chat request's prompt, served or offline
+    (the template writes the special tokens; ``/tokenize`` may ask for the tokenizer's too)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)

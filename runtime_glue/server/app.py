@@ -107,7 +107,7 @@ class Server:
         prompts = {c.prompt: len(c.ids) for c in choices}
         request_log.info(
             "request %s: user=%s metadata=%s prompt_tokens=%s n=%d max_tokens=%s stream=%s",
-            shown, json.dumps(body.user), json.dumps(getattr(body, "metadata", None), sort_keys=True),
+            json.dumps(shown), json.dumps(body.user), json.dumps(getattr(body, "metadata", None), sort_keys=True),
             list(prompts.values()), body.n, choices[0].params.max_tokens, body.stream,
         )  # fmt: skip
 
