@@ -268,7 +268,8 @@ int rlt_linear_int8g_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t 
  * packed bytes one after another (hal.quant's nibble order: low nibbles inputs 0-15, high
  * 16-31), so one 256-bit load holds two rows and the four of an octet are one stream;
  * s8 [N8 / 8, K / group, 8] bf16: the octet's scales in lane order R8 (rows 0, 2, 4, 6, 1, 3,
- * 5, 7: the order two vphaddw and a vpmaddwd leave the rows' sums in). N8 is N rounded up to 8 (zero rows).
+ * 5, 7: the order three vphaddw and a vpmaddwd leave the rows' sums in). N8 is N rounded up
+ * to 8 (zero rows).
  *
  * y[m, n] = bf16(sum over blocks b in order of fma: float(dot_b) * (d[m, b] * scale[n, group
  * of b])), dot_b the block's exact integer dot product of q = u - 8 with xq (u * x summed
