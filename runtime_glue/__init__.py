@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 import hal  # noqa: F401 - first: it keeps torch from auto-loading vendor stacks (see hal)
 
 if TYPE_CHECKING:
-    from runtime_glue.engine.llm import LLM, CompletionOutput, RequestOutput
+    from runtime_glue.engine.llm import LLM
+    from runtime_glue.engine.results import CompletionOutput, RequestOutput
     from runtime_glue.engine.sampling import SamplingParams
 
 _EXPORTS = {
     "LLM": "runtime_glue.engine.llm",
-    "CompletionOutput": "runtime_glue.engine.llm",
-    "RequestOutput": "runtime_glue.engine.llm",
+    "CompletionOutput": "runtime_glue.engine.results",
+    "RequestOutput": "runtime_glue.engine.results",
     "SamplingParams": "runtime_glue.engine.sampling",
 }
 

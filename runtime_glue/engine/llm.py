@@ -19,6 +19,14 @@ from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.kv_placement import placement_for
 from runtime_glue.engine.refusals import DEFAULT_SPECULATIVE_TOKENS, check_engine, why_not
+from runtime_glue.engine.results import (  # noqa: F401 - CompletionOutput: re-exported
+    CompletionOutput,
+    PromptsLike,
+    RequestMetrics,
+    RequestOutput,
+    prompt_list,
+    prompt_of,
+)
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.speculative import SpeculativeConfig
 from runtime_glue.engine.tokenizer import load_tokenizer, render_chat
@@ -47,74 +55,6 @@ def speculative_config(args: EngineArgs) -> SpeculativeConfig | None:
     return SpeculativeConfig(
         args.speculative_loops, DEFAULT_SPECULATIVE_TOKENS if tokens is None else tokens
     )
-
-
-@attrs.frozen
-class CompletionOutput:
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None
-    logits: torch.Tensor | None = None  # float32 [generated, vocab], the chosen loop's logits
-    exit_steps: tuple[int, ...] = ()  # the loop each generated token's logits came from
-    # SamplingParams(logprobs=N): per generated token, token id -> Logprob (vLLM's shape);
-    # prompt_logprobs=N: per prompt position, the first None.
-    logprobs: tuple[dict, ...] | None = None
-    prompt_logprobs: tuple[dict | None, ...] | None = None
-    index: int = 0  # which of the prompt's n samples
-
-    @property
-    def cumulative_logprob(self) -> float | None:
-        """The sum of the sampled tokens' logprobs (vLLM's; None without ``logprobs``)."""
-        if self.logprobs is None:
-            return None
-        pairs = zip(self.logprobs, self.token_ids, strict=True)
-        return float(sum(lp[t].logprob for lp, t in pairs))
-
-
-@attrs.frozen
-class RequestMetrics:
-    """When a prompt arrived and got its first token, and when the ``generate`` call's batch
-    finished (``time.monotonic()``)."""
-
-    arrival_time: float
-    first_token_time: float | None
-    finished_time: float
-
-
-def _one(name: str):
-    def get(self: RequestOutput):
-        if len(self.outputs) != 1:
-            raise AttributeError(
-                f"RequestOutput.{name}: this prompt has {len(self.outputs)} outputs (n > 1): "
-                f"read outputs[i].{name}"
-            )
-        return getattr(self.outputs[0], name)
-
-    return property(get, doc=f"``outputs[0].{name}`` where the prompt has one output.")
-
-
-@attrs.frozen
-class RequestOutput:
-    """One prompt's result, in vLLM's shape: ``outputs`` holds its ``n`` samples
-    (``CompletionOutput``, by ``index``). Where there is one, its ``text``, ``token_ids``,
-    ``finish_reason``, ``logits``, ``exit_steps`` and ``logprobs`` read through (what
-    ``LLM.generate`` returned before it returned this: README, "Offline inference")."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    prompt_logprobs: tuple[dict | None, ...] | None = None
-    metrics: RequestMetrics | None = None
-
-    text = _one("text")
-    token_ids = _one("token_ids")
-    finish_reason = _one("finish_reason")
-    logits = _one("logits")
-    exit_steps = _one("exit_steps")
-    logprobs = _one("logprobs")
 
 
 def pool_blocks(
@@ -387,10 +327,10 @@ class LLM:
         token ids, ``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``; ``sampling_params``
         one for all or one per prompt; ``use_tqdm`` is accepted (no progress bar is drawn)."""
         del use_tqdm
-        given = _prompt_list(prompts)
+        given = prompt_list(prompts)
         texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
                  for p in given]  # fmt: skip
-        encoded = [self.encode(_prompt_of(p)) for p in given]
+        encoded = [self.encode(prompt_of(p)) for p in given]
         return self._run(texts, encoded, sampling_params, return_logits)
 
     def chat(
@@ -496,28 +436,6 @@ class LLM:
                 )
             )
         return results
-
-
-PromptsLike = str | list[int] | dict | list[str] | list[list[int]] | list[dict]
-
-
-def _prompt_list(prompts: PromptsLike) -> list[str | list[int] | dict]:
-    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-        return [cast("str | list[int] | dict", prompts)]
-    return list(cast("list[str | list[int] | dict]", prompts))
-
-
-def _prompt_of(prompt: str | list[int] | dict) -> str | list[int]:
-    """A prompt's text or token ids, from any form ``generate`` takes."""
-    if not isinstance(prompt, dict):
-        return prompt
-    if "prompt_token_ids" in prompt:
-        return prompt["prompt_token_ids"]
-    if "prompt" in prompt:
-        return prompt["prompt"]
-    raise InvalidRequest(
-        f"a prompt dict holds 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}", "prompt"
-    )
 
 
 def _samples(params: SamplingParams) -> list[SamplingParams]:
