@@ -40,7 +40,7 @@ from runtime_glue.cli.main import main as cli  # noqa: E402
 from runtime_glue.engine.llm import LLM  # noqa: E402
 from runtime_glue.engine.sampling import SamplingParams  # noqa: E402
 from runtime_glue.ouro.checkpoint import expected_tensors  # noqa: E402
-from runtime_glue.ouro.compressed import TOKENIZER_FILES  # noqa: E402
+from runtime_glue.ouro.compressed_write import TOKENIZER_FILES  # noqa: E402
 from runtime_glue.ouro.config import OuroConfig  # noqa: E402
 from runtime_glue.ouro.quantize import checkpoint_tensors  # noqa: E402
 from runtime_glue.ouro.toy import preset_config, write_checkpoint  # noqa: E402

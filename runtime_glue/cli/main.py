@@ -153,7 +153,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     msModelSlim's."""
     from hal.quant import describe
     from hal.registry import default_registry
-    from runtime_glue.ouro import compressed, msmodelslim
+    from runtime_glue.ouro import compressed_write, msmodelslim
     from runtime_glue.ouro.checkpoint import load_weights
     from runtime_glue.ouro.config import OuroConfig
     from runtime_glue.ouro.quantize import check_quantization, quantize_weights
@@ -179,7 +179,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.format == "msmodelslim":
         msmodelslim.write(src, dst, weights, MSMODELSLIM_TYPES[args.scheme], args.group_size)
     else:
-        compressed.write(src, dst, weights, scheme, args.group_size, activations=token)
+        compressed_write.write(src, dst, weights, scheme, args.group_size, activations=token)
     what = describe(scheme, args.group_size) + (" (activations per token)" if token else "")
     print(f"wrote {what} weights in the {args.format} format to {dst}")
     return 0

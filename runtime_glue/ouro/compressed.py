@@ -13,7 +13,7 @@ Read straight into ``hal.quant``'s layout, one tensor at a time (no bf16 copy of
 The value of a weight is ``q * scale``, as compressed-tensors dequantizes it (the product of an
 integer and a bf16 scale, rounded once to bf16), which is what ``hal.quant``'s reference kernel
 computes: a checkpoint loaded here runs, in HF-exact mode, the weights
-``compressed_tensors`` decompresses. :func:`write` makes such checkpoints from rlt-hal's own
+``compressed_tensors`` decompresses. ``compressed_write.write`` makes such checkpoints from rlt-hal's own
 quantization (``rlt-hal quantize``).
 
 Supported: integer weights of 8 bits (``hal.quant``'s int8: one scale per output channel;
@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
-from safetensors.torch import save_file
 
 from hal.interfaces import Device
 from hal.quant import GROUP_SIZES, QuantizedWeight, from_integers
@@ -50,7 +48,7 @@ from runtime_glue.ouro.checkpoint import (
     validate,
 )
 from runtime_glue.ouro.config import OuroConfig
-from runtime_glue.ouro.quantize import checkpoint_tensors, place
+from runtime_glue.ouro.quantize import place
 
 METHOD = "compressed-tensors"
 FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # int-: naive's layout
@@ -362,116 +360,3 @@ def _quantized_weight(
     assert cq.group_size is not None  # int8g and int4 have one
     scale = scale.repeat_interleave(k // cq.group_size // scale.shape[1], dim=1)
     return from_integers(q, scale, cq.scheme, cq.group_size)
-
-
-def quantization_config(
-    scheme: str, group_size: int, lm_head: bool = False, activations: bool = False
-) -> dict[str, Any]:
-    """config.json's ``quantization_config`` for weights quantized by ``hal.quant`` (int8: one
-    scale per channel; int8g, int4: per group), as llm-compressor writes it for W8A16 /
-    W4A16; ``activations``: int8 per channel with the activations quantized per token, as it
-    writes W8A8 ("int-quantized")."""
-    weights: dict[str, Any] = {
-        "num_bits": 4 if scheme == "int4" else 8,
-        "type": "int",
-        "symmetric": True,
-        "strategy": "channel" if scheme == "int8" else "group",
-        "group_size": None if scheme == "int8" else group_size,
-        "dynamic": False,
-        "actorder": None,
-        "observer": "minmax",
-        "observer_kwargs": {},
-        "block_structure": None,
-    }
-    fmt = "pack-quantized"
-    inputs = None
-    if activations:
-        assert scheme == "int8", "W8A8 takes int8 weights per channel"
-        fmt = "int-quantized"
-        inputs = {
-            "num_bits": 8,
-            "type": "int",
-            "symmetric": True,
-            "strategy": "token",
-            "group_size": None,
-            "dynamic": True,
-            "actorder": None,
-            "observer": None,
-            "observer_kwargs": {},
-            "block_structure": None,
-        }
-    return {
-        "quant_method": METHOD,
-        "format": fmt,
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": inputs,
-                "output_activations": None,
-                "format": fmt,
-            }
-        },
-        "ignore": ["model.early_exit_gate"] + ([] if lm_head else ["lm_head"]),
-        "kv_cache_scheme": None,
-    }
-
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-)
-
-
-def write(
-    src: str | Path,
-    dst: str | Path,
-    weights: dict[str, Any],
-    scheme: str,
-    group_size: int,
-    activations: bool = False,
-) -> Path:
-    """A compressed-tensors checkpoint in ``dst`` of ``weights`` (as
-    ``quantize.quantize_weights`` gave them) beside ``src``'s config.json and tokenizer:
-    pack-quantized; with ``activations`` (int8 weights run with per-token activations, W8A8)
-    int-quantized (``M.weight`` int8)."""
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    out: dict[str, torch.Tensor] = {}
-    head = False
-    for name, w in checkpoint_tensors(weights).items():
-        if not isinstance(w, QuantizedWeight):
-            out[name] = w.contiguous()
-            continue
-        module = name[: -len(".weight")]
-        head = head or module == "lm_head"
-        bits = 4 if w.scheme == "int4" else 8
-        n, k = w.shape
-        out[module + ".weight_scale"] = w.scale.view(n, -1).contiguous()
-        if activations:
-            out[name] = w.integers().contiguous()
-            continue
-        out[module + ".weight_packed"] = pack(w.integers(), bits)
-        out[module + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    write_beside(src, dst, quantization_config(scheme, group_size, head, activations))
-    return dst
-
-
-def write_beside(src: str | Path, dst: Path, config_quantization: dict | None) -> None:
-    """``src``'s config.json in ``dst`` with ``quantization_config`` set (None: removed), and
-    its tokenizer files copied."""
-    config = json.loads((Path(src) / "config.json").read_text())
-    config.pop("quantization_config", None)
-    if config_quantization is not None:
-        config["quantization_config"] = config_quantization
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for f in TOKENIZER_FILES:
-        if (Path(src) / f).is_file():
-            shutil.copy2(Path(src) / f, dst / f)

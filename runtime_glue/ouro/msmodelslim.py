@@ -37,12 +37,8 @@ from safetensors.torch import save_file
 from hal.interfaces import Device
 from hal.quant import QuantizedWeight, from_integers
 from runtime_glue.ouro.checkpoint import CheckpointError, TensorEntry, expected_tensors, read_tensor
-from runtime_glue.ouro.compressed import (
-    CheckpointQuantization,
-    kernel_group,
-    load_stored,
-    write_beside,
-)
+from runtime_glue.ouro.compressed import CheckpointQuantization, kernel_group, load_stored
+from runtime_glue.ouro.compressed_write import write_beside
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.quantize import checkpoint_tensors
 
