@@ -26,6 +26,7 @@ from runtime_glue.engine.results import (  # noqa: F401 - CompletionOutput: re-e
     RequestOutput,
     prompt_list,
     prompt_of,
+    prompt_text,
 )
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.speculative import SpeculativeConfig
@@ -328,8 +329,7 @@ class LLM:
         one for all or one per prompt; ``use_tqdm`` is accepted (no progress bar is drawn)."""
         del use_tqdm
         given = prompt_list(prompts)
-        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
-                 for p in given]  # fmt: skip
+        texts = [prompt_text(p) for p in given]
         encoded = [self.encode(prompt_of(p)) for p in given]
         return self._run(texts, encoded, sampling_params, return_logits)
 

@@ -88,6 +88,13 @@ def prompt_list(prompts: PromptsLike) -> list[str | list[int] | dict]:
     return list(cast("list[str | list[int] | dict]", prompts))
 
 
+def prompt_text(prompt: str | list[int] | dict) -> str | None:
+    """A prompt's text as ``RequestOutput.prompt`` reports it (None for token ids)."""
+    if isinstance(prompt, dict):
+        return prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
 def prompt_of(prompt: str | list[int] | dict) -> str | list[int]:
     """A prompt's text or token ids, from any form ``generate`` takes."""
     if not isinstance(prompt, dict):
