@@ -133,7 +133,19 @@ def wrong_group(x, w):
     return dequantized_linear(x, attrs.evolve(w, scale=scale, forms={}))
 
 
+def one_rounding(q, k, cos, sin):
+    """Rotary with the sum of both products rounded once (as a fused multiply-add would)."""
+    from hal.kernels import rotate_half
+
+    def turn(x):
+        c, s = cos[:, None].float(), sin[:, None].float()
+        return (x.float() * c + rotate_half(x).float() * s).to(x.dtype)
+
+    return turn(q), turn(k)
+
+
 KERNELS = [
+    Kernel("rotary", "oneround", one_rounding, hf_exact=True),
     Kernel("linear", "tailless", tailless),
     Kernel("linear", "widthwise", widthwise, column_invariant=True),
     Kernel("linear", "batchwise", batchwise, row_invariant=True),
@@ -152,7 +164,8 @@ def rlt_hal_register_drivers():
 
 def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_the_kit(tmp_path):
     """Planted bugs: a leaky mask, a dropped K tail, a zeroed stacked column, a row summed
-    differently in one call shape, and an int4 kernel reading a wrong group's scale."""
+    differently in one call shape, an int4 kernel reading a wrong group's scale, and a rotary
+    kernel that claims HF's bits but rounds once."""
     (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
     dist = tmp_path / "leaky_driver-0.1.dist-info"
     dist.mkdir()
@@ -166,3 +179,4 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     assert "widthwise: 1 rows x K 64" in proc.stdout
     assert "linear batchwise claims row invariance, but rows in a 13-row call differ" in proc.stdout
     assert "wronggroup (group 32): 1x256 @ 256x96 exceeds the bound" in proc.stdout
+    assert "AssertionError: rotary oneround" in proc.stdout

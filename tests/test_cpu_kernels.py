@@ -216,6 +216,75 @@ def test_an_eager_call_skips_the_ops_dispatch_and_gives_its_bits(monkeypatch):
     assert len(through) == 1
 
 
+def test_the_cffi_declarations_take_addresses_for_every_pointer():
+    # The header's pointers reach cffi as addresses (Tensor.data_ptr() as it is): a pointer
+    # left in the declarations would need a cffi pointer object per call.
+    decl = kernels._cdef(kernels.HEADER.read_text())
+    assert "*" not in decl and "rlt_paged_attention(uintptr_t q, long q_row" in decl
+    assert "uintptr_t slots, int rows, uintptr_t k_cache" in decl  # (int64_t *, ..., uint16_t *)
+
+
+def _kv_store(planes: int = 2, slots: int = 32, heads: int = 2, d: int = 8):
+    from drivers.cpu.driver import CpuKVStore
+
+    return CpuKVStore(KVLayout(planes, slots // 16, 16, heads, d, torch.bfloat16), torch.device("cpu"))
+
+
+def test_kv_rows_written_by_one_c_call_land_where_index_put_puts_them():
+    store, ref = _kv_store(), TensorKVStore(_kv_store().layout, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, 3 * 16, generator=gen).bfloat16()  # v a strided view, as the model's
+    key, value = qkv[:, 16:32].view(5, 2, 8).contiguous(), qkv[:, 32:].view(5, 2, 8)
+    slots = torch.tensor([3, 17, 40, 9, 17])  # 40: the next plane's slot 8; 17 twice: the later
+    for s in (store, ref):
+        s.write(0, key, value, slots)
+        s.write(1, key[:2], value[:2], torch.tensor([0, 31]))
+    assert torch.equal(store.key_cache, ref.key_cache)
+    assert torch.equal(store.value_cache, ref.value_cache)
+    assert torch.equal(store.key_cache[0, 17], key[4]) and torch.equal(store.key_cache[1, 8], key[2])
+
+
+def test_a_kv_slot_outside_the_cache_is_an_error_and_writes_nothing():
+    store = _kv_store()
+    key = torch.ones(2, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(IndexError, match=r"lies outside \[0, 32\)"):
+        store.write(1, key, key, torch.tensor([0, 32]))
+    with pytest.raises(IndexError, match="lies outside"):
+        store.write(0, key, key, torch.tensor([-1, 3]))
+    assert not store.key_cache.any() and not store.value_cache.any()
+
+
+def test_kv_rows_the_c_call_cannot_take_are_written_by_index_put():
+    store = _kv_store()
+    key = torch.ones(2, 8, 2, dtype=torch.bfloat16).transpose(1, 2)  # heads not contiguous
+    store.write(0, key, key, torch.tensor([1, 2]))
+    assert torch.equal(store.key_cache[0, 1:3], key) and not store.key_cache[0, 0].any()
+
+
+def test_the_deterministic_plan_runs_the_rotary_kernel_with_the_compositions_bits(
+    wide, monkeypatch
+):
+    # The C rotary has HF's bits (the kit checks the claim): choosing it changes no bit of a
+    # whole generation, prompt and decode rows alike.
+    from runtime_glue.ouro import resolve
+
+    prompts = [prompt_of(40, seed=5), prompt_of(7, seed=6)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    def run():
+        llm = LLM(wide, block_size=16, num_blocks=32)
+        assert llm.mode == "deterministic"
+        return llm, llm.generate(prompts, params, return_logits=True)
+
+    llm, got = run()
+    assert dict(llm.plan.fused) == {"rotary": "avx2"} and "rotary avx2" in llm.plan.describe()
+    monkeypatch.setattr(resolve, "exact_rotary", lambda driver: None)
+    llm, want = run()
+    assert llm.plan.fused == ()
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and torch.equal(g.logits, w.logits)
+
+
 def test_it_rejects_what_it_cannot_compute():
     x, w = _operands(2, 4, 8)
     with pytest.raises(TypeError, match="bf16 CPU tensors"):

@@ -113,9 +113,29 @@ class CpuEagerBackend(EagerBackend):
         return kernels.paged_attention(query, keys, values, rows.slots, rows.off, rows.len, scaling)
 
 
+class CpuKVStore(TensorKVStore):
+    """The paged cache in host memory; a step's K/V rows are written by one C call
+    (``kernels.write_kv``) where it can run, else by ``index_put_``."""
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        super().__init__(layout, device)
+        self._kernel: bool | None = None
+
+    def write(self, plane, key, value, slots):
+        if self._kernel is None:
+            try:
+                kernels.library()
+                self._kernel = True
+            except KernelUnavailable:
+                self._kernel = False
+        k_rows, v_rows = self.rows(self.key_cache, plane), self.rows(self.value_cache, plane)
+        if not (self._kernel and kernels.write_kv(key, value, slots, k_rows, v_rows)):
+            super().write(plane, key, value, slots)
+
+
 class CpuDriver(Driver):
     def create_kv_store(self, layout: KVLayout) -> TensorKVStore:
-        return TensorKVStore(layout, self.device.torch_device)
+        return CpuKVStore(layout, self.device.torch_device)
 
 
 def create(index: int | None = None) -> CpuDriver:

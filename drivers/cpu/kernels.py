@@ -8,11 +8,14 @@
   row counts and this kernel at small ones; the execution plan measures which to use where.
 - the weight-only quantized projections: ``drivers.cpu.quant_kernels``.
 - ``paged_attention`` (``csrc/attention.c``): deterministic-mode attention read straight from
-  the bf16 paged cache, one call per plane for every row of a step.
+  the bf16 paged cache, one call per plane for every row of a step; ``write_kv`` writes a
+  step's K/V rows into a plane in one call (``driver.CpuKVStore``).
 - ``rms_norm`` (``csrc/rms_norm.c``) and ``silu_mul`` (``csrc/silu_mul.c``): HF's roundings,
   with every row (every element) computed by the same code wherever it falls in a call.
+- ``rotary`` (``csrc/rotary.c``): HF's rotary embedding with its bits (elementwise, three
+  roundings), in one call instead of a dozen torch operations.
 
-None is HF-exact; all the C kernels are row-invariant by construction. ``csrc/rlt_cpu.h``
+Only ``rotary`` is HF-exact; all the C kernels are row-invariant by construction. ``csrc/rlt_cpu.h``
 declares their C interface once: the compiler checks the sources against it and cffi reads
 it. The shared library is built on first use with the system C compiler into ``$RLT_HAL_CACHE/kernels``
 (default ~/.cache/rlt-hal), named by a hash of the sources and flags, and loaded into a
@@ -27,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -99,7 +103,7 @@ def library():
     if not path.is_file():
         _build(cc, sources, path)
     ffi = cffi.FFI()
-    ffi.cdef("\n".join(ln for ln in HEADER.read_text().splitlines() if not ln.startswith("#")))
+    ffi.cdef(_cdef(HEADER.read_text()))
     try:
         return ffi, ffi.dlopen(str(path))
     except OSError as exc:
@@ -117,15 +121,23 @@ def avx512bf16_available() -> None:
         )
 
 
-@functools.cache
-def _void_p():
-    ffi = library()[0]
-    return ffi.cast, ffi.typeof("void *")
+_COMMENT = re.compile(r"/\*.*?\*/", re.DOTALL)
+_POINTER = re.compile(r"([(,]\s*)(?:const\s+)?\w+\s*\*\s*(\w+)")  # a pointer parameter
 
 
-def _ptr(t: Tensor):
-    cast, void_p = _void_p()
-    return cast(void_p, t.data_ptr())
+def _cdef(header: str) -> str:
+    """The header as cffi reads it: without preprocessor lines, and with every pointer
+    parameter an address (``uintptr_t``), so that a call passes ``Tensor.data_ptr()`` as it is.
+    (cffi would otherwise need a pointer object per argument, made by ``ffi.cast`` at about
+    3 us each, several times a C kernel's own time for a decode row. On the C side an address
+    and a pointer are passed alike.)"""
+    lines = [ln for ln in header.splitlines() if not ln.startswith("#")]
+    return _POINTER.sub(r"\1uintptr_t \2", _COMMENT.sub("", "\n".join(lines)))
+
+
+def _ptr(t: Tensor) -> int:
+    """The address of ``t``'s first element, as the C kernels take it."""
+    return t.data_ptr()
 
 
 def _bf16_cpu(name: str, *tensors: Tensor) -> None:
@@ -227,6 +239,30 @@ def paged_attention(
     return out
 
 
+def write_kv(key: Tensor, value: Tensor, slots: Tensor, k_rows: Tensor, v_rows: Tensor) -> bool:
+    """Rows ``key``, ``value`` ``[N, kv_heads, d]`` into ``k_rows``/``v_rows`` ``[S, kv_heads, d]``
+    (a plane of the paged cache onwards, ``TensorKVStore.rows``) at ``slots`` (int64), in one
+    call: what ``index_put_`` does there, with each row's heads contiguous. False (nothing
+    written) where the call does not fit the C form (another dtype, layout or device)."""
+    n, heads, d = key.shape
+    if not (
+        key.dtype is value.dtype is k_rows.dtype is v_rows.dtype is torch.bfloat16
+        and key.is_cpu and k_rows.is_cpu
+        and value.shape == key.shape and slots.shape == (n,)
+        and key.stride()[1:] == value.stride()[1:] == (d, 1)
+        and k_rows.shape == v_rows.shape and k_rows.shape[1:] == (heads, d)
+        and k_rows.is_contiguous() and v_rows.is_contiguous()
+        and slots.dtype == torch.int64 and slots.is_contiguous()
+    ):  # fmt: skip
+        return False
+    if n and library()[1].rlt_write_kv(
+        _ptr(key), key.stride(0), _ptr(value), value.stride(0), _ptr(slots), n,
+        _ptr(k_rows), _ptr(v_rows), k_rows.shape[0], heads * d,
+    ):  # fmt: skip
+        raise IndexError(f"write_kv: a slot of {slots.tolist()} lies outside [0, {k_rows.shape[0]})")
+    return True
+
+
 @custom_op("rlt_cpu::rms_norm", lambda x, weight, eps: torch.empty_like(x))
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF's RMSNorm (two bf16 roundings) over the last dim, its sum of squares in a fixed order."""
@@ -250,10 +286,36 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
         raise TypeError("silu_mul takes two [M, I] tensors with the same strides")
     if gate.stride(1) != 1:
         gate, up = gate.contiguous(), up.contiguous()
-    out = gate.new_empty(gate.shape)
     rows, cols = gate.shape
+    out = torch.empty(rows, cols, dtype=gate.dtype)
     library()[1].rlt_silu_mul(_ptr(gate), _ptr(up), gate.stride(0), _ptr(out), rows, cols)
     return out
+
+
+@custom_op(
+    "rlt_cpu::rotary",
+    lambda q, k, cos, sin: (q.new_empty(q.shape), k.new_empty(k.shape)),
+)
+def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """HF's ``apply_rotary_pos_emb`` (its bits): ``q [N, Hq, d]``, ``k [N, Hk, d]`` with heads
+    contiguous (views of a q|k|v projection), ``cos``, ``sin`` ``[N, d]``."""
+    _bf16_cpu("rotary", q, k, cos, sin)
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    if k.shape != (n, hk, d) or cos.shape != (n, d) or sin.shape != cos.shape or d % 2:
+        raise ValueError(f"rotary: q {list(q.shape)}, k {list(k.shape)}, cos {list(cos.shape)}")
+    if q.stride()[1:] != (d, 1):
+        q = q.contiguous()
+    if k.stride()[1:] != (d, 1):
+        k = k.contiguous()
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    qo, ko = torch.empty(n, hq, d, dtype=q.dtype), torch.empty(n, hk, d, dtype=k.dtype)
+    library()[1].rlt_rotary(
+        _ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(cos), _ptr(sin), cos.stride(0),
+        _ptr(qo), _ptr(ko), n, hq, hk, d,
+    )  # fmt: skip
+    return qo, ko
 
 
 def _loaded() -> None:
@@ -298,5 +360,15 @@ KERNELS = (
         check=_loaded,
         version=VERSION,
         description="csrc/silu_mul.c: HF's roundings, one exp code path for every element",
+    ),
+    Kernel(
+        "rotary",
+        "avx2",
+        rotary,
+        hf_exact=True,
+        row_invariant=True,
+        check=_loaded,
+        version=VERSION,
+        description="csrc/rotary.c: HF's three roundings, elementwise",
     ),
 )

@@ -1,5 +1,5 @@
 """Conformance checks of a driver's kernels (selected with --rlt-driver): each op's kernels
-(linear, rms_norm, silu_mul) against float64 within bf16 rounding, every quantized linear
+(linear, rms_norm, silu_mul, rotary) against float64 within bf16 rounding, every quantized linear
 kernel (``hal.quant``: each scheme the driver runs, each group size) against
 dequantize-then-matmul in float64, and the claims a kernel makes (HF-exact bits, row
 invariance, column invariance on stacked weights) held exactly."""
@@ -129,6 +129,37 @@ def test_every_silu_mul_kernel_is_close_to_float64(driver):
             assert err <= 1e-30, f"{kernel.name}: {m}x{i} exceeds the bound by {err:.3g}"
 
 
+def _rotary_call(fn, rows: torch.Tensor) -> torch.Tensor:
+    """``fn`` on a step of ``rows [N, >= 192]``: each row carries its own query (2 heads of
+    32), key (1 head), cos and sin, so that a row's result depends on that row alone."""
+    n = rows.shape[0]
+    q, k = rows[:, :64].view(n, 2, 32), rows[:, 64:96].view(n, 1, 32)
+    q2, k2 = fn(q, k, rows[:, 128:160], rows[:, 160:192])
+    return torch.cat((q2.reshape(n, -1), k2.reshape(n, -1)), dim=1)
+
+
+def test_every_rotary_kernel_is_within_bf16_rounding_of_float64(driver):
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(17)
+    for kernel in _kernels(driver, "rotary"):
+        for n, hq, hk, d in ((1, 4, 4, 64), (5, 4, 2, 32), (3, 3, 1, 20)):
+            qkv = rand_bf16(n, (hq + 2 * hk) * d, gen=gen, scale=3.0).to(dev)
+            q, k = qkv[:, : hq * d].view(n, hq, d), qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
+            cos, sin = rand_bf16(n, d, gen=gen).to(dev), rand_bf16(n, d, gen=gen).to(dev)
+            got = kernel.fn(q, k, cos, sin)
+            for x, y in zip((q, k), got):
+                assert y.shape == x.shape and y.dtype == torch.bfloat16, kernel.name
+                xd, c, s_ = (t.double().cpu() for t in (x, cos[:, None], sin[:, None]))
+                half = d // 2
+                turned = torch.cat((-xd[..., half:], xd[..., :half]), dim=-1)
+                a, b = xd * c, turned * s_
+                # Three bf16 roundings (each product, then the sum): within 2^-8 of each.
+                bound = (a.abs() + b.abs()) * 2.0**-8 + (a + b).abs() * 2.0**-8
+                err = ((y.double().cpu() - (a + b)).abs() - bound).max().item()
+                where = f"{kernel.name}: rotary of {n}x{x.shape[1]}x{d}"
+                assert err <= 1e-30, f"{where} exceeds the bound by {err:.3g}"
+
+
 def test_kernels_that_claim_hf_exactness_give_the_bits_of_torchs_form(driver):
     dev = driver.device.torch_device
     gen = torch.Generator().manual_seed(15)
@@ -137,6 +168,7 @@ def test_kernels_that_claim_hf_exactness_give_the_bits_of_torchs_form(driver):
         "linear": lambda fn: fn(x, w),
         "rms_norm": lambda fn: fn(x, w[0], 1e-6),
         "silu_mul": lambda fn: fn(x[:, :100], x[:, 100:200]),
+        "rotary": lambda fn: _rotary_call(fn, x),
     }
     for op, call in calls.items():
         want = call(driver.kernel(op, "torch").fn)
@@ -157,6 +189,7 @@ def test_kernels_that_claim_row_invariance_keep_a_rows_bits_in_every_call(driver
         "linear": lambda fn: lambda rows: fn(rows, w),
         "rms_norm": lambda fn: lambda rows: fn(rows, w[0], 1e-6),
         "silu_mul": lambda fn: lambda rows: fn(rows[:, :101], rows[:, 101:202]),
+        "rotary": lambda fn: functools.partial(_rotary_call, fn),
     }
     for op, bind in calls.items():
         for kernel in _kernels(driver, op):

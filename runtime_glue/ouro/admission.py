@@ -31,7 +31,7 @@ from hal.reference import ATTENTION_BOUND, attention_f64
 from hal.types import AttentionMetadata, KVLayout
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.kernel_trials import fastest, model_ops
-from runtime_glue.ouro.plan import OPS, Admission, ExecutionPlan
+from runtime_glue.ouro.plan import OPS, Admission, ExecutionPlan, exact_rotary
 
 FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rotary")  # the fast plan's kernel ops
 PLAN_ONLY = ("add_rms_norm", "rotary")  # ops only the fused loop calls: ExecutionPlan.fused
@@ -246,6 +246,8 @@ def fast_plan(
             admissions.append(verdict)
             if verdict.admitted and chosen[op] == "torch":
                 chosen[op] = kernel.name
+    if chosen["rotary"] == "torch":  # none admitted: one with the composition's bits, if any
+        chosen["rotary"] = exact_rotary(driver) or "torch"
     backend_name = attention or driver.default_backend
     candidates = [attention] if attention in driver.fused_backends else []
     if attention is None:

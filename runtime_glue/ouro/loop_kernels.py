@@ -4,7 +4,8 @@
 row kind (``runtime_glue.ouro.plan``), and two ops only a fused plan runs as kernels of their
 own, each a residual add with the norm after it and the rotary embedding. The fast plan
 passes the driver's fused kernels (each admitted on the device first:
-``runtime_glue.ouro.admission``); every other plan passes compositions of its own kernels that
+``runtime_glue.ouro.admission``); a deterministic plan may pass a driver's rotary kernel with
+HF's bits (``plan.exact_rotary``); otherwise a plan passes compositions of its own kernels that
 give exactly the bits of Hugging Face's modules:
 
     add_rms_norm(x, h, w) = (rms_norm(h + x, w), h + x)    # the plan's rms_norm, per row kind
@@ -76,10 +77,11 @@ class LoopKernels:
             for kind in KINDS
         }
         silu_mul = driver.kernel("silu_mul", plan.choice("prompt", "silu_mul").kernel).fn
-        fused = dict(plan.fused)  # --mode fast: the driver's fused kernels, where admitted
+        fused = dict(plan.fused)  # the driver's kernels of these ops, where the plan runs one
         add_rms_norm, rotary = add_then_norm, hf_rotary
-        if fused:
+        if "add_rms_norm" in fused:
             add_rms_norm = on_every_row(driver.kernel("add_rms_norm", fused["add_rms_norm"]).fn)
+        if "rotary" in fused:
             rotary = driver.kernel("rotary", fused["rotary"]).fn
         return cls(
             rows=rows,
@@ -88,7 +90,7 @@ class LoopKernels:
             silu_mul=silu_mul,
             add_rms_norm=add_rms_norm,
             rotary=rotary,
-            static_decode=bool(fused) and driver.offers_step_graphs,
+            static_decode=plan.mode == "fast" and driver.offers_step_graphs,
         )
 
     def bind(self, prompt_rows: int) -> RowOps:

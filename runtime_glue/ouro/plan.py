@@ -31,6 +31,10 @@ Modes:
   the plan records every verdict (``ExecutionPlan.admissions``) and ``fused`` names the
   kernels of the fused-only ops (``add_rms_norm``, ``rotary``), torch's where refused.
 
+A deterministic or fast plan also runs the rotary embedding as one kernel where the driver
+offers one with HF's bits for every call (``exact_rotary``): the same bits as the composition
+it replaces, so choosing it changes nothing but time.
+
 How the plan is resolved, by checks and measurements: ``runtime_glue.ouro.resolve``.
 """
 
@@ -99,7 +103,9 @@ class ExecutionPlan:
     notes: tuple[str, ...] = ()  # why: fallbacks, refused kernels, where timings came from
     exit_defaults: ExitMode = ExitMode()  # for requests that choose no exit mode
     adaptive_depth: bool = False  # exiting decode rows skip their remaining loops
-    fused: tuple[tuple[str, str], ...] = ()  # --mode fast: kernel of add_rms_norm and rotary
+    # The kernels of add_rms_norm and rotary where they run as one (--mode fast; rotary also
+    # in deterministic mode, exact_rotary); an op not named composes the plan's own kernels.
+    fused: tuple[tuple[str, str], ...] = ()
     admissions: tuple[Admission, ...] = ()  # --mode fast: each fused kernel's verdict
     quantization: str = "bf16"  # the projections' weights (hal.quant): "int4 (group 32)"
 
@@ -153,6 +159,17 @@ def _label(c: OpChoice) -> str:
     if not c.tiles:
         return c.kernel
     return f"{c.kernel}[{c.tiles[0]}..{c.tiles[-1]}]"
+
+
+def exact_rotary(driver) -> str | None:
+    """The driver's own rotary kernel with HF's bits and row invariance (each claim checked by
+    the conformance kit), where one can run here: a plan may take it in place of the
+    composition at no cost in bits."""
+    for k in driver.kernels_for("rotary"):
+        if k.name != "torch" and k.hf_exact and k.row_invariant and not k.fast_only:
+            if k.available() is None:
+                return k.name
+    return None
 
 
 # -- executing a choice: row tiles ----------------------------------------------------------

@@ -30,7 +30,7 @@ from runtime_glue.ouro.kernel_trials import (
     plain_linear,
     recheck,
 )
-from runtime_glue.ouro.plan import LINEAR_OPS, OPS, ExecutionPlan, OpChoice
+from runtime_glue.ouro.plan import LINEAR_OPS, OPS, ExecutionPlan, OpChoice, exact_rotary
 from runtime_glue.ouro.plan_record import PlanRecord, Recorded
 from runtime_glue.ouro.quantize import weights_label
 
@@ -230,7 +230,7 @@ def _deterministic_plan(
             stale = recheck(recorded.chosen, ops, driver)  # never a recorded verdict
             if stale is None:
                 note = f"{RECORDED_IN}{record.path} ({recorded.when})"
-                return _plan(backend, recorded, (*recorded.notes, note))
+                return _plan(driver, backend, recorded, (*recorded.notes, note))
             logger.warning(
                 "the recorded plan failed its start-up check, measuring again: %s", stale
             )
@@ -240,10 +240,11 @@ def _deterministic_plan(
         recorded = measure(driver, ops, linear, activations)
         record.save(recorded)
     note = f"{MEASURED_NOW}{why}; {recorded.when}) and recorded in {record.path}"
-    return _plan(backend, recorded, (*recorded.notes, note))
+    return _plan(driver, backend, recorded, (*recorded.notes, note))
 
 
-def _plan(backend, recorded: Recorded, notes: tuple[str, ...]) -> ExecutionPlan:
+def _plan(driver, backend, recorded: Recorded, notes: tuple[str, ...]) -> ExecutionPlan:
+    rotary = exact_rotary(driver)
     return ExecutionPlan(
         "deterministic",
         backend.name,
@@ -252,4 +253,5 @@ def _plan(backend, recorded: Recorded, notes: tuple[str, ...]) -> ExecutionPlan:
         generated=tuple(recorded.chosen["generated"].items()),
         measurements=recorded.measurements,
         notes=notes,
+        fused=(("rotary", rotary),) if rotary else (),
     )

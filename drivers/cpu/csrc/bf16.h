@@ -38,6 +38,24 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Eight fp32 values rounded to bf16 as f32_to_bf16 rounds them (NaN
+ * included), kept as fp32. */
+static inline __m256 round_bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), hi);
+    __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), hi);
+    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(quiet), nan);
+}
+
+/* Eight rounded values (bf16 in the upper halves) stored as bf16. */
+static inline void store_bf16x8(uint16_t *p, __m256 rounded) {
+    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+    __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+
 /* x [M, K] bf16 widened to a new fp32 buffer (the caller frees it), or NULL. */
 static inline float *widen_rows(const uint16_t *x, int M, int K) {
     float *xf = malloc((size_t)M * K * sizeof(float));

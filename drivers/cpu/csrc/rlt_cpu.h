@@ -52,6 +52,19 @@ int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16
                         const int64_t *len, uint16_t *out, int rows, int heads, int kv_heads,
                         int d, float scaling);
 
+/* A step's K/V rows (width = kv_heads * d values each) into slots of one plane of the paged
+ * cache ([limit, width] from the plane on); -1 when a slot lies outside it (see attention.c). */
+int rlt_write_kv(const uint16_t *key, long k_row, const uint16_t *value, long v_row,
+                 const int64_t *slots, int rows, uint16_t *k_cache, uint16_t *v_cache,
+                 long limit, int width);
+
+/* HF's rotary embedding (see rotary.c): q [n, hq, d] and k [n, hk, d], rows q_row and k_row
+ * elements apart (heads contiguous), cos and sin [n, d] rows cs_row apart, into contiguous qo
+ * [n, hq, d] and ko [n, hk, d]; d even. */
+void rlt_rotary(const uint16_t *q, long q_row, const uint16_t *k, long k_row, const uint16_t *cos,
+                const uint16_t *sin, long cs_row, uint16_t *qo, uint16_t *ko, int n, int hq,
+                int hk, int d);
+
 /* HF's RMSNorm over rows of n: y = w * bf16(x * rsqrt(mean(x^2) + eps)). */
 void rlt_rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int rows, int n, float eps);
 

@@ -28,14 +28,11 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* Eight elements: bf16(bf16(g / (1 + exp(-g))) * u), returned as rounded fp32. */
+/* Eight elements: bf16(bf16(g / (1 + exp(-g))) * u). */
 static inline void silu_mul8(const uint16_t *g, const uint16_t *u, uint16_t *y) {
     __m256 gv = load_bf16x8(g), uv = load_bf16x8(u);
     __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-    float sf[8], uf[8];
-    _mm256_storeu_ps(sf, s);
-    _mm256_storeu_ps(uf, uv);
-    for (int i = 0; i < 8; i++) y[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(sf[i])) * uf[i]);
+    store_bf16x8(y, round_bf16x8(_mm256_mul_ps(round_bf16x8(s), uv)));
 }
 
 void rlt_silu_mul(const uint16_t *gate, const uint16_t *up, long ld, uint16_t *y, int rows,
