@@ -227,7 +227,9 @@ def test_the_cffi_declarations_take_addresses_for_every_pointer():
 def _kv_store(planes: int = 2, slots: int = 32, heads: int = 2, d: int = 8):
     from drivers.cpu.driver import CpuKVStore
 
-    return CpuKVStore(KVLayout(planes, slots // 16, 16, heads, d, torch.bfloat16), torch.device("cpu"))
+    return CpuKVStore(
+        KVLayout(planes, slots // 16, 16, heads, d, torch.bfloat16), torch.device("cpu")
+    )
 
 
 def test_kv_rows_written_by_one_c_call_land_where_index_put_puts_them():
@@ -241,7 +243,9 @@ def test_kv_rows_written_by_one_c_call_land_where_index_put_puts_them():
         s.write(1, key[:2], value[:2], torch.tensor([0, 31]))
     assert torch.equal(store.key_cache, ref.key_cache)
     assert torch.equal(store.value_cache, ref.value_cache)
-    assert torch.equal(store.key_cache[0, 17], key[4]) and torch.equal(store.key_cache[1, 8], key[2])
+    assert torch.equal(store.key_cache[0, 17], key[4]) and torch.equal(
+        store.key_cache[1, 8], key[2]
+    )
 
 
 def test_a_kv_slot_outside_the_cache_is_an_error_and_writes_nothing():

@@ -259,7 +259,9 @@ def write_kv(key: Tensor, value: Tensor, slots: Tensor, k_rows: Tensor, v_rows: 
         _ptr(key), key.stride(0), _ptr(value), value.stride(0), _ptr(slots), n,
         _ptr(k_rows), _ptr(v_rows), k_rows.shape[0], heads * d,
     ):  # fmt: skip
-        raise IndexError(f"write_kv: a slot of {slots.tolist()} lies outside [0, {k_rows.shape[0]})")
+        raise IndexError(
+            f"write_kv: a slot of {slots.tolist()} lies outside [0, {k_rows.shape[0]})"
+        )
     return True
 
 

@@ -147,7 +147,7 @@ def test_every_rotary_kernel_is_within_bf16_rounding_of_float64(driver):
             q, k = qkv[:, : hq * d].view(n, hq, d), qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
             cos, sin = rand_bf16(n, d, gen=gen).to(dev), rand_bf16(n, d, gen=gen).to(dev)
             got = kernel.fn(q, k, cos, sin)
-            for x, y in zip((q, k), got):
+            for x, y in zip((q, k), got, strict=True):
                 assert y.shape == x.shape and y.dtype == torch.bfloat16, kernel.name
                 xd, c, s_ = (t.double().cpu() for t in (x, cos[:, None], sin[:, None]))
                 half = d // 2
@@ -189,7 +189,7 @@ def test_kernels_that_claim_row_invariance_keep_a_rows_bits_in_every_call(driver
         "linear": lambda fn: lambda rows: fn(rows, w),
         "rms_norm": lambda fn: lambda rows: fn(rows, w[0], 1e-6),
         "silu_mul": lambda fn: lambda rows: fn(rows[:, :101], rows[:, 101:202]),
-        "rotary": lambda fn: functools.partial(_rotary_call, fn),
+        "rotary": lambda fn: lambda rows: _rotary_call(fn, rows),
     }
     for op, bind in calls.items():
         for kernel in _kernels(driver, op):

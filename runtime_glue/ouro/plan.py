@@ -166,9 +166,9 @@ def exact_rotary(driver) -> str | None:
     the conformance kit), where one can run here: a plan may take it in place of the
     composition at no cost in bits."""
     for k in driver.kernels_for("rotary"):
-        if k.name != "torch" and k.hf_exact and k.row_invariant and not k.fast_only:
-            if k.available() is None:
-                return k.name
+        exact = k.name != "torch" and k.hf_exact and k.row_invariant and not k.fast_only
+        if exact and k.available() is None:
+            return k.name
     return None
 
 
