@@ -209,7 +209,7 @@ def test_the_float64_comparison_catches_a_wrong_layout_or_scale(name, group, pla
     assert _excess(kernel.fn(x, plant(w)), x, w, name) > 0
 
 
-@pytest.mark.parametrize("lanes", [(0, 1, 2, 3, 4, 5, 6, 7), (0, 2, 4, 6, 1, 3, 7, 5)])
+@pytest.mark.parametrize("lanes", [(0, 2, 4, 6, 1, 3, 5, 7), (1, 0, 2, 3, 4, 5, 6, 7)])
 def test_the_float64_comparison_catches_an_octet_repacked_wrong(monkeypatch, lanes):
     # The W4A8 kernel reads its weight repacked eight rows at a time, each octet's scales in
     # the order its sums come out in: scales laid out in another order must fail the bound.

@@ -45,13 +45,16 @@ def _quant_operands(name: str, x: Tensor, qweight: Tensor, qdtype: torch.dtype, 
 
 
 def _quant_linear(name: str, x: Tensor, qweight: Tensor, scale: Tensor, n: int, k: int, *extra):
-    rows = x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-    kernel = getattr(library()[1], f"rlt_{name}")
+    # A decode row's call costs more here than in C: a 2-D contiguous x (the model's) is used
+    # and returned as it is, without a reshape or a view.
+    flat = x.dim() == 2 and x.is_contiguous()
+    rows = x if flat else x.reshape(-1, k).contiguous()
     m = rows.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    kernel = getattr(library()[1], f"rlt_{name}")
     if m and kernel(_ptr(rows), _ptr(qweight), _ptr(scale), _ptr(out), m, n, k, *extra):
         raise MemoryError(f"{name}: no scratch memory for {m} x {k}")
-    return out.view(*x.shape[:-1], n)
+    return out if flat else out.view(*x.shape[:-1], n)
 
 
 def _custom_op(name: str, op, doc: str):
@@ -153,20 +156,21 @@ linear_int8_a8_avx2 = _int8_a8_op(
     "(``hal.quant.quantize_activations``), int8 dot products; ``full``: qweight may hold -128.",
 )
 OCTET = 8  # rows the W4A8 kernel reads together
-OCTET_LANES = (0, 2, 4, 6, 1, 3, 5, 7)  # the rows' order its vphaddw / vpmaddwd sums leave
+OCTET_LANES = tuple(range(OCTET))  # the rows' order its sums come out in: row i in lane i
 
 
 def int4_octets(w: QuantizedWeight) -> tuple[Tensor, Tensor]:
-    """``w`` repacked for ``linear_int4_a8_avx2``: the packed bytes ``[N8 / 8, K / 32, 8, 16]``
-    (each octet of rows, block by block of 32 inputs, its rows' 16 bytes one after another:
-    one stream a thread) and the scales ``[N8 / 8, K / group, 8]`` in ``OCTET_LANES`` order; N8
-    is N rounded up to 8 with rows of zeros (u = 8, scale 0)."""
+    """``w`` repacked for ``linear_int4_a8_avx2``: the packed bytes ``[N8 / 8, K / 32, 4, 8, 4]``
+    (each octet of rows, block by block of 32 inputs, in four groups: group v holds each row's
+    bytes 4v..4v+3 in turn, so that a 256-bit load has row i in lane i; an octet is one stream
+    a thread) and the scales ``[N8 / 8, K / group, 8]`` in ``OCTET_LANES`` order; N8 is N
+    rounded up to 8 with rows of zeros (u = 8, scale 0)."""
     n, k, g = w.shape[0], w.in_features, w.group_size
     pad = -n % OCTET
     qweight = F.pad(w.qweight, (0, 0, 0, pad), value=0x88)
     scale = F.pad(w.scale, (0, 0, 0, pad))
     octets = (n + pad) // OCTET
-    w8 = qweight.view(octets, OCTET, k // 32, 16).transpose(1, 2).contiguous()
+    w8 = qweight.view(octets, OCTET, k // 32, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
     s8 = scale.view(octets, OCTET, k // g)[:, list(OCTET_LANES)].transpose(1, 2).contiguous()
     return w8, s8
 
@@ -174,13 +178,13 @@ def int4_octets(w: QuantizedWeight) -> tuple[Tensor, Tensor]:
 def _int4_a8(x: Tensor, w8: Tensor, s8: Tensor, n: int, group: int) -> Tensor:
     name = "linear_int4_a8_avx2"
     _quant_operands(name, x, w8, torch.uint8, s8)
-    octets, blocks = w8.shape[:2]
+    octets, blocks, *form = w8.shape
     k = blocks * 32
     if (
-        w8.shape[2:] != (OCTET, 16)
+        form != [4, OCTET, 4]
         or group not in GROUP_SIZES
         or k % group
-        or s8.shape != (octets, k // group, OCTET)
+        or tuple(s8.shape) != (octets, k // group, OCTET)
         or x.shape[-1] != k
         or not 0 < n <= octets * OCTET < n + OCTET
     ):

@@ -264,21 +264,20 @@ int rlt_linear_int8g_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t 
 }
 
 /* W4A8 on int4 weights repacked eight rows at a time (quant_kernels.int4_octets):
- * w8 [N8 / 8, K / 32, 8, 16]: for each octet of rows and block of 32 inputs, the rows' 16
- * packed bytes one after another (hal.quant's nibble order: low nibbles inputs 0-15, high
- * 16-31), so one 256-bit load holds two rows and the four of an octet are one stream;
- * s8 [N8 / 8, K / group, 8] bf16: the octet's scales in lane order R8 (rows 0, 2, 4, 6, 1, 3,
- * 5, 7: the order three vphaddw and a vpmaddwd leave the rows' sums in). N8 is N rounded up
- * to 8 (zero rows).
+ * w8 [N8 / 8, K / 32, 4, 8, 4]: for each octet of rows and block of 32 inputs, four groups of
+ * 32 bytes, group v holding each row's packed bytes 4v..4v+3 in turn (hal.quant's nibble
+ * order: low nibbles inputs 4v..4v+3, high ones 16+4v..16+4v+3), so that lane i of every
+ * 256-bit load is row i and an octet's blocks are one stream; s8 [N8 / 8, K / group, 8] bf16:
+ * the octet's scales, row i in lane i. N8 is N rounded up to 8 (zero rows).
  *
  * y[m, n] = bf16(sum over blocks b in order of fma: float(dot_b) * (d[m, b] * scale[n, group
  * of b])), dot_b the block's exact integer dot product of q = u - 8 with xq (u * x summed
- * with vpmaddubsw / vpmaddwd, less 8 * the block's sum of x). The same sequence for every (m,
- * n) wherever the row falls: row- and column-invariant by construction. What the per-row
- * layout spent on each row and block (the scale products, the offset, the conversion and the
- * FMA) is spent once an octet here, vectorized over its eight rows. */
-static const int R8[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-
+ * with vpmaddubsw, eight of them a block added in int16 lanes (at most 8 * 2 * 15 * 127 =
+ * 30480), then vpmaddwd; less 8 * the block's sum of x). The same sequence for every (m, n)
+ * wherever the row falls: row- and column-invariant by construction. Each row's sums stay in
+ * its own lane (no horizontal adds), and what the per-row layout spent on each row and block
+ * (the scale products, the offset, the conversion and the FMA) is spent once an octet here,
+ * vectorized over its eight rows. */
 INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq, int mb,
                    const uint8_t *w, const uint16_t *s, int K, int group, uint16_t *y, int ldy,
                    int nv) {
@@ -295,22 +294,23 @@ INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq
             s8 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
         }
         __m256i lo[4], hi[4];
-        for (int r = 0; r < 4; r++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 32 * r));
-            lo[r] = _mm256_and_si256(v, m4);
-            hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        for (int v = 0; v < 4; v++) {
+            __m256i u = _mm256_loadu_si256((const __m256i *)(wb + 32 * v));
+            lo[v] = _mm256_and_si256(u, m4);
+            hi[v] = _mm256_and_si256(_mm256_srli_epi16(u, 4), m4);
         }
         for (int j = 0; j < mb; j++) {
             const int8_t *xb = xq + (size_t)j * ldq + b * QB;
-            __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)xb));
-            __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(xb + 16)));
-            __m256i p[4];
-            for (int r = 0; r < 4; r++)
-                p[r] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], xl),
-                                        _mm256_maddubs_epi16(hi[r], xh));
-            __m256i h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]),
-                                                             _mm256_hadd_epi16(p[2], p[3])),
-                                          ones);
+            __m256i a = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                int32_t xl, xh; /* inputs 4v..4v+3 and 16+4v..16+4v+3, in every lane */
+                memcpy(&xl, xb + 4 * v, 4);
+                memcpy(&xh, xb + 16 + 4 * v, 4);
+                a = _mm256_add_epi16(a, _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(xl)),
+                    _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(xh))));
+            }
+            __m256i h = _mm256_madd_epi16(a, ones);
             h = _mm256_sub_epi32(h, _mm256_set1_epi32(sx8[(size_t)j * ldd + b]));
             __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[(size_t)j * ldd + b]), s8);
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), c, acc[j]);
@@ -319,8 +319,7 @@ INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq
     for (int j = 0; j < mb; j++) {
         float o[8];
         _mm256_storeu_ps(o, acc[j]);
-        for (int t = 0; t < 8; t++)
-            if (R8[t] < nv) y[(size_t)j * ldy + R8[t]] = f32_to_bf16(o[t]);
+        for (int t = 0; t < nv; t++) y[(size_t)j * ldy + t] = f32_to_bf16(o[t]);
     }
 }
 
