@@ -33,10 +33,43 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* One row quantized: xq [blocks * 32] (a partial last block zero-padded), d [blocks]. */
-static void quantize_row(const uint16_t *x, int K, int8_t *xq, float *d) {
-    for (int b = 0, k0 = 0; k0 < K; b++, k0 += QB) {
-        int n = K - k0 < QB ? K - k0 : QB;
+/* One row quantized: xq [blocks * 32] (a partial last block zero-padded), d [blocks]; sums
+ * (if not NULL) [blocks]: each block's sum of xq. Full blocks eight lanes at a time, a partial
+ * one in scalar code: the same values (the maximum is exact in any order, each product and
+ * its rounding to the nearest even integer are elementwise, the sums are exact integers). */
+static void quantize_row(const uint16_t *x, int K, int8_t *xq, float *d, int32_t *sums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int b = 0, k0 = 0;
+    for (; k0 + QB <= K; b++, k0 += QB) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = load_bf16x8(x + k0 + 8 * i);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m); /* a NaN lane keeps m */
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+        float db = amax / 127.0f;
+        float id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        __m256 iv = _mm256_set1_ps(id);
+        __m256i q[4], t = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[i] = _mm256_cvtps_epi32(r);
+            t = _mm256_add_epi32(t, q[i]);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + k0), _mm256_permutevar8x32_epi32(p, order));
+        if (sums) {
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4e));
+            sums[b] = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xb1)));
+        }
+    }
+    if (k0 < K) {
+        int n = K - k0;
         float amax = 0.0f;
         for (int k = 0; k < n; k++) {
             float v = fabsf(bf16_to_f32(x[k0 + k]));
@@ -44,9 +77,13 @@ static void quantize_row(const uint16_t *x, int K, int8_t *xq, float *d) {
         }
         float db = amax / 127.0f;
         float id = db != 0.0f ? 1.0f / db : 0.0f;
+        int32_t t = 0;
         d[b] = db;
-        for (int k = 0; k < QB; k++)
+        for (int k = 0; k < QB; k++) {
             xq[k0 + k] = k < n ? (int8_t)nearbyintf(bf16_to_f32(x[k0 + k]) * id) : 0;
+            t += xq[k0 + k];
+        }
+        if (sums) sums[b] = t;
     }
 }
 
@@ -125,7 +162,7 @@ static int linear_a8(const uint16_t *x, const int8_t *w, const uint16_t *scale, 
     int8_t *xa = xq + (size_t)M * ldq;
     for (int m = 0; m < M; m++) {
         int8_t *q = xq + (size_t)m * ldq;
-        quantize_row(x + (size_t)m * K, K, q, d + (size_t)m * blocks);
+        quantize_row(x + (size_t)m * K, K, q, d + (size_t)m * blocks, NULL);
         if (!full)
             for (int b = 0; b < blocks; b++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * QB));
@@ -337,12 +374,9 @@ int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w8, const uint16_t
     }
     for (int m = 0; m < M; m++) {
         int8_t *q = xq + (size_t)m * ldq;
-        quantize_row(x + (size_t)m * K, K, q, d + (size_t)m * blocks);
-        for (int b = 0; b < blocks; b++) {
-            int t = 0;
-            for (int k = 0; k < QB; k++) t += q[b * QB + k];
-            sx8[(size_t)m * blocks + b] = 8 * t;
-        }
+        int32_t *sm = sx8 + (size_t)m * blocks;
+        quantize_row(x + (size_t)m * K, K, q, d + (size_t)m * blocks, sm);
+        for (int b = 0; b < blocks; b++) sm[b] *= 8;
     }
     int octets = (N + 7) / 8;
     size_t wo = (size_t)blocks * 128, so = (size_t)(K / group) * 8;
