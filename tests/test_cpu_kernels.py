@@ -293,6 +293,8 @@ def test_it_rejects_what_it_cannot_compute():
     x, w = _operands(2, 4, 8)
     with pytest.raises(TypeError, match="bf16 CPU tensors"):
         kernels.linear_avx2(x.float(), w)
+    with pytest.raises(ValueError, match=r"x \[\.\.\., 8\] and w \[4, 4\] do not match"):
+        kernels.linear_avx2(x, w[:, :4].contiguous())
     with pytest.raises(TypeError, match="same strides"):
         kernels.silu_mul(x, x[:, :4])
     with pytest.raises(ValueError, match=r"rms_norm: x \[\.\.\., 8\] and weight \[16\]"):

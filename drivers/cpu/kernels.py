@@ -149,13 +149,17 @@ def _bf16_cpu(name: str, *tensors: Tensor) -> None:
 def _linear(name: str, x: Tensor, w: Tensor) -> Tensor:
     _bf16_cpu(name, x, w)
     n, k = w.shape
-    rows = x.reshape(-1, k).contiguous()
+    if x.shape[-1] != k:
+        raise ValueError(f"{name}: x [..., {x.shape[-1]}] and w [{n}, {k}] do not match")
+    flat = x.dim() == 2 and x.is_contiguous()  # the model's rows: used and returned as they are
+    rows = x if flat else x.reshape(-1, k).contiguous()
     w = w.contiguous()  # a no-op for loaded weights
-    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
     kernel = getattr(library()[1], f"rlt_{name}")
-    if rows.shape[0] and kernel(_ptr(rows), _ptr(w), _ptr(out), rows.shape[0], n, k):
-        raise MemoryError(f"{name}: no scratch memory for {rows.shape[0]} x {k}")
-    return out.view(*x.shape[:-1], n)
+    if m and kernel(_ptr(rows), _ptr(w), _ptr(out), m, n, k):
+        raise MemoryError(f"{name}: no scratch memory for {m} x {k}")
+    return out if flat else out.view(*x.shape[:-1], n)
 
 
 def custom_op(qualname: str, fake):
@@ -247,7 +251,7 @@ def write_kv(key: Tensor, value: Tensor, slots: Tensor, k_rows: Tensor, v_rows: 
     n, heads, d = key.shape
     if not (
         key.dtype is value.dtype is k_rows.dtype is v_rows.dtype is torch.bfloat16
-        and key.is_cpu and k_rows.is_cpu
+        and key.is_cpu and value.is_cpu and slots.is_cpu and k_rows.is_cpu and v_rows.is_cpu
         and value.shape == key.shape and slots.shape == (n,)
         and key.stride()[1:] == value.stride()[1:] == (d, 1)
         and k_rows.shape == v_rows.shape and k_rows.shape[1:] == (heads, d)
