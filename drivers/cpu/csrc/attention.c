@@ -18,6 +18,13 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#define AHEAD 4 /* positions a task's K/V rows are fetched before they are read */
+
+/* bytes from p into the cache, a line at a time */
+static inline void fetch(const uint16_t *p, long bytes) {
+    for (long i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
 /* q (fp32, d) . k (bf16, d) */
 static inline float dot(const float *q, const uint16_t *k, int d) {
     __m256 acc = _mm256_setzero_ps();
@@ -58,8 +65,9 @@ static inline void axpy(float *o, float p, const uint16_t *v, int d) {
 /* q: row r, head h at q + r * q_row + h * q_head (d contiguous elements).
  * k, v: one plane, [slots, kv_heads, d] contiguous. out: [rows, heads, d] contiguous.
  * A task is one row and a run of its KV heads: at each position it reads the run's K/V
- * vectors, which lie side by side (the hardware prefetcher follows them; one head alone would
- * jump kv_heads * d values a position). How heads are grouped into tasks (so that every
+ * vectors, which lie side by side (one head alone would jump kv_heads * d values a position),
+ * and asks for those AHEAD positions on (a position's run lies a page or more from the next:
+ * the hardware prefetcher does not cross). How heads are grouped into tasks (so that every
  * thread has one when a step has few rows) changes no head's arithmetic.
  * Returns 0, or -1 when scratch memory cannot be allocated. */
 int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16_t *k,
@@ -90,8 +98,13 @@ int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16
             for (int i = 0; i < d; i++) qf[j * d + i] = bf16_to_f32(qr[i]) * scaling;
             memset(of + (size_t)j * d, 0, sizeof(float) * d);
         }
+        long run = (long)ng * d * 2; /* bytes of the run's K (V) at one position */
+        for (long t = 0; t < n && t < AHEAD; t++) fetch(k + (sl[t] * kv_heads + g0) * d, run);
         for (long t = 0; t < n; t++) {
             const uint16_t *kr = k + (sl[t] * kv_heads + g0) * d;
+            long ahead = t + AHEAD; /* then the first V rows, read next */
+            if (ahead < n) fetch(k + (sl[ahead] * kv_heads + g0) * d, run);
+            else if (ahead - n < n) fetch(v + (sl[ahead - n] * kv_heads + g0) * d, run);
             int j = 0;
             if (n_rep == 1)  /* four heads at once: their keys lie side by side */
                 for (; j + 4 <= nq; j += 4) dot4(qf + j * d, d, kr + j * d, d, d, sc + j * n + t, (int)n);
@@ -105,6 +118,7 @@ int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16
         }
         for (long t = 0; t < n; t++) {
             const uint16_t *vr = v + (sl[t] * kv_heads + g0) * d;
+            if (t + AHEAD < n) fetch(v + (sl[t + AHEAD] * kv_heads + g0) * d, run);
             for (int j = 0; j < nq; j++) axpy(of + j * d, sc[j * n + t], vr + (j / n_rep) * d, d);
         }
         for (int j = 0; j < nq; j++) {
