@@ -224,16 +224,17 @@ def test_the_cffi_declarations_take_addresses_for_every_pointer():
     assert "uintptr_t slots, int rows, uintptr_t k_cache" in decl  # (int64_t *, ..., uint16_t *)
 
 
-def _kv_store(planes: int = 2, slots: int = 32, heads: int = 2, d: int = 8):
+KV_LAYOUT = KVLayout(2, 2, 16, 2, 8, torch.bfloat16)  # 2 planes of 32 slots, 2 heads of 8
+
+
+def _kv_store():
     from drivers.cpu.driver import CpuKVStore
 
-    return CpuKVStore(
-        KVLayout(planes, slots // 16, 16, heads, d, torch.bfloat16), torch.device("cpu")
-    )
+    return CpuKVStore(KV_LAYOUT, torch.device("cpu"))
 
 
 def test_kv_rows_written_by_one_c_call_land_where_index_put_puts_them():
-    store, ref = _kv_store(), TensorKVStore(_kv_store().layout, torch.device("cpu"))
+    store, ref = _kv_store(), TensorKVStore(KV_LAYOUT, torch.device("cpu"))
     gen = torch.Generator().manual_seed(4)
     qkv = torch.randn(5, 3 * 16, generator=gen).bfloat16()  # v a strided view, as the model's
     key, value = qkv[:, 16:32].view(5, 2, 8).contiguous(), qkv[:, 32:].view(5, 2, 8)

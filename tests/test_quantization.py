@@ -285,7 +285,7 @@ def test_the_bench_counts_the_bytes_a_quantized_decode_step_reads(tiny_ckpt):
 
 
 def test_the_banner_and_metrics_say_the_weights_scheme_and_bytes(tiny_ckpt, capsys):
-    from runtime_glue.engine.llm import announce_llm
+    from runtime_glue.engine.announce import announce_llm
     from runtime_glue.server.engine_loop import EngineLoop
 
     llm = LLM(tiny_ckpt, block_size=16, num_blocks=8, mode="hf-exact", quantization="int8")

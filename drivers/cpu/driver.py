@@ -54,6 +54,17 @@ class CpuDevice(Device):
         return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
 
 
+def _kernels_load(otherwise: str) -> bool:
+    """Whether the C kernels load here; if not, logs ``otherwise`` (what runs instead) and why.
+    (Asked once by each user: ``kernels.library`` retries a failed build at every call.)"""
+    try:
+        kernels.library()
+    except KernelUnavailable as exc:
+        logger.warning("%s: %s", otherwise, exc)
+        return False
+    return True
+
+
 @attrs.frozen
 class RowContexts:
     """Where each query row of a step reads its keys: ``slots[off[r] : off[r] + len[r]]``."""
@@ -95,12 +106,7 @@ class CpuEagerBackend(EagerBackend):
 
     def _use_kernel(self) -> bool:
         if self._kernel is None:
-            try:
-                kernels.library()
-                self._kernel = True
-            except KernelUnavailable as exc:
-                logger.warning("deterministic attention runs on torch's kernels: %s", exc)
-                self._kernel = False
+            self._kernel = _kernels_load("deterministic attention runs on torch's kernels")
         return self._kernel
 
     def forward(self, query, plane, kv, meta, scaling, deterministic=False):
@@ -123,11 +129,7 @@ class CpuKVStore(TensorKVStore):
 
     def write(self, plane, key, value, slots):
         if self._kernel is None:
-            try:
-                kernels.library()
-                self._kernel = True
-            except KernelUnavailable:
-                self._kernel = False
+            self._kernel = _kernels_load("K/V rows are written by index_put_")
         k_rows, v_rows = self.rows(self.key_cache, plane), self.rows(self.value_cache, plane)
         if not (self._kernel and kernels.write_kv(key, value, slots, k_rows, v_rows)):
             super().write(plane, key, value, slots)

@@ -52,7 +52,8 @@ def cmd_drivers(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """The execution plan for a model here, with the measurements behind it: its start-up
     lines are the command's output (standard output, once), then its notes and measurements."""
-    from runtime_glue.engine.llm import announce_llm, build_llm
+    from runtime_glue.engine.announce import announce_llm
+    from runtime_glue.engine.llm import build_llm
     from runtime_glue.ouro.resolve import record_note
 
     engine_args = EngineArgs.from_cli_args(args)

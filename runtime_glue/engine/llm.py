@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import attrs
-import torch
 
 from hal.registry import Registry, default_registry
 from hal.types import KVLayout, check_block_size
+from runtime_glue.engine.announce import announce_llm
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
@@ -22,11 +22,11 @@ from runtime_glue.engine.refusals import DEFAULT_SPECULATIVE_TOKENS, check_engin
 from runtime_glue.engine.results import (  # noqa: F401 - CompletionOutput: re-exported
     CompletionOutput,
     PromptsLike,
-    RequestMetrics,
     RequestOutput,
     prompt_list,
     prompt_of,
     prompt_text,
+    request_output,
 )
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.speculative import SpeculativeConfig
@@ -41,7 +41,7 @@ from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import ExecutionPlan
 from runtime_glue.ouro.quantize import weight_bytes
-from runtime_glue.ouro.resolve import record_note, resolve
+from runtime_glue.ouro.resolve import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -402,40 +402,10 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
         finished = time.monotonic()
-        results = []
-        for text, (of_prompt, ids, params) in zip(texts, prompts, strict=True):
-            for rid, req in of_prompt.items():
-                if req.finish_reason == "error":
-                    raise RuntimeError(f"request {rid} failed: {req.error}")
-            reqs = list(of_prompt.values())
-            outputs = [
-                CompletionOutput(
-                    tuple(ids),
-                    tuple(req.output_ids),
-                    req.text,
-                    req.finish_reason,
-                    torch.stack(req.logits) if return_logits and req.logits else None,
-                    tuple(req.exit_steps),
-                    None if params.logprobs is None else tuple(req.logprobs),
-                    None if params.prompt_logprobs is None else tuple(req.prompt_logprobs),
-                    j,
-                )
-                for j, req in enumerate(reqs)
-            ]
-            first = [r.first_token_time for r in reqs if r.first_token_time is not None]
-            results.append(
-                RequestOutput(
-                    next(iter(of_prompt)),
-                    text,
-                    tuple(ids),
-                    outputs,
-                    prompt_logprobs=outputs[0].prompt_logprobs,
-                    metrics=RequestMetrics(
-                        reqs[0].arrival_time, min(first, default=None), finished
-                    ),
-                )
-            )
-        return results
+        return [
+            request_output(of_prompt, text, ids, params, return_logits, finished)
+            for text, (of_prompt, ids, params) in zip(texts, prompts, strict=True)
+        ]
 
 
 def _samples(params: SamplingParams) -> list[SamplingParams]:
@@ -461,34 +431,3 @@ def build_llm(
     if announce:
         announce_llm(llm)
     return llm
-
-
-def announce_llm(llm: LLM, file: Any = None) -> None:
-    """The start-up lines, on standard error unless ``file`` says otherwise: the plan (and
-    where its kernel choice is kept, measured now or reused, so that a changed plan shows),
-    then the KV pool."""
-    file = file or sys.stderr
-    caching = "on" if llm.engine.config.enable_prefix_caching else "off"
-    spec = llm.speculative
-    spec_line = "" if spec is None else "; " + spec.describe(llm.config.total_ut_steps)
-    verdict = llm.engine.graph_admission  # None: graphs not asked for
-    graphs_line = (
-        ""
-        if verdict is None
-        else f"; step graphs {verdict.kernel} "
-        + ("admitted" if verdict.admitted else f"refused ({verdict.why})")
-    )
-    stored = llm.stored_quantization
-    source = "" if stored is None else f", as stored: {stored.describe()}"
-    weights = (
-        f"; weights {llm.model.weight_bytes / 2**20:.1f} MiB ({llm.plan.quantization}{source})"
-    )
-    print(
-        f"{llm.driver.label}: {llm.plan.describe()}; prefix caching {caching}{spec_line}"
-        f"{graphs_line}{weights}",
-        file=file,
-    )
-    note = record_note(llm.plan)
-    if note is not None:
-        print(f"  {note}", file=file)
-    print(llm.kv_summary, file=file)

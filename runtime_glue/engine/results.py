@@ -79,6 +79,41 @@ class RequestOutput:
     logprobs = _one("logprobs")
 
 
+def request_output(
+    requests: dict, text: str | None, ids: list[int], params, return_logits: bool, finished: float
+) -> RequestOutput:
+    """One prompt's ``RequestOutput`` from its finished engine requests (request id -> request,
+    the first one's id the prompt's), ``params`` the prompt's ``SamplingParams``; a failed
+    request raises."""
+    for rid, req in requests.items():
+        if req.finish_reason == "error":
+            raise RuntimeError(f"request {rid} failed: {req.error}")
+    reqs = list(requests.values())
+    outputs = [
+        CompletionOutput(
+            tuple(ids),
+            tuple(req.output_ids),
+            req.text,
+            req.finish_reason,
+            torch.stack(req.logits) if return_logits and req.logits else None,
+            tuple(req.exit_steps),
+            None if params.logprobs is None else tuple(req.logprobs),
+            None if params.prompt_logprobs is None else tuple(req.prompt_logprobs),
+            j,
+        )
+        for j, req in enumerate(reqs)
+    ]
+    first = [r.first_token_time for r in reqs if r.first_token_time is not None]
+    return RequestOutput(
+        next(iter(requests)),
+        text,
+        tuple(ids),
+        outputs,
+        prompt_logprobs=outputs[0].prompt_logprobs,
+        metrics=RequestMetrics(reqs[0].arrival_time, min(first, default=None), finished),
+    )
+
+
 PromptsLike = str | list[int] | dict | list[str] | list[list[int]] | list[dict]
 
 
