@@ -148,7 +148,10 @@ def w4(wide_ckpt, tmp_path_factory):
         (lambda qc: qc.update(quant_method="fp8"), "quant_method 'fp8' is not supported"),
         (lambda qc: _group(qc).update(format="float-quantized"), "format 'float-quantized'"),
         (lambda qc: _group(qc)["weights"].update(type="float", num_bits=8), "float weights of 8"),
-        (lambda qc: _group(qc)["weights"].update(symmetric=False), "asymmetric weights"),
+        (
+            lambda qc: _group(qc)["weights"].update(symmetric=False, num_bits=8),
+            "asymmetric 8-bit weights (zero points, config group 'group_0') are not supported",
+        ),
         (lambda qc: _group(qc)["weights"].update(actorder="group"), "activation ordering"),
         (lambda qc: _group(qc)["weights"].update(strategy="tensor"), "strategy 'tensor'"),
         (lambda qc: _group(qc)["weights"].update(group_size=48), "group size 48"),
@@ -295,3 +298,90 @@ def test_the_start_up_line_says_the_checkpoint_was_quantized_elsewhere(w4, capsy
     assert (
         "(int4 (group 32), as stored: compressed-tensors W4A16 (pack-quantized, group 32))" in err
     )
+
+
+def _zero_points(state, gen, packed=True):
+    """Random zero points in [-8, 7] for every projection, as compressed-tensors stores them
+    (pack-quantized: packed along the output channels)."""
+    for name in [n for n in state if n.endswith("_proj.weight_scale")]:
+        z = torch.randint(-8, 8, state[name].shape, generator=gen, dtype=torch.int8)
+        zp = name.replace("weight_scale", "weight_zero_point")
+        state[zp] = pack(z.t(), 4).t().contiguous() if packed else z
+
+
+@pytest.mark.parametrize("strategy", ["group", "channel"])
+def test_asymmetric_int4_runs_the_values_compressed_tensors_decompresses(
+    wide_ckpt, tmp_path, strategy
+):
+    """W4A16_ASYM: value (q - z) * scale, computed as compressed-tensors' dequantize does (in
+    the scale's dtype, bf16), runs as int8 per group or channel holding q - z; in HF-exact mode
+    it generates what a bf16 checkpoint of those values does."""
+    w4 = quantized(wide_ckpt, tmp_path / "g32", "w4a16", 32)
+    gen = torch.Generator().manual_seed(3)
+
+    def asymmetric(qc):
+        _group(qc)["weights"].update(symmetric=False)
+        if strategy == "channel":
+            _group(qc)["weights"].update(strategy="channel", group_size=None)
+
+    def tensors(state):
+        if strategy == "channel":
+            for name in [n for n in state if n.endswith("_proj.weight_scale")]:
+                state[name] = state[name][:, :1].contiguous()
+        _zero_points(state, gen)
+
+    asym = _edit(w4, tmp_path / "asym", config=asymmetric, tensors=tensors)
+    hf = dict(block_size=16, num_blocks=16, mode="hf-exact")
+    llm = LLM(asym, **hf)
+    per = "group 32" if strategy == "group" else "channel"
+    assert llm.stored_quantization.describe() == (
+        f"compressed-tensors W4A16 (pack-quantized, {per}, asymmetric)"
+    )
+    stored = load_file(str(asym / "model.safetensors"))
+    dense = {}
+    for name, w in checkpoint_tensors(llm.weights).items():
+        if not isinstance(w, QuantizedWeight):
+            dense[name] = w.contiguous()
+            continue
+        module = name[: -len(".weight")]
+        scale = stored[module + ".weight_scale"]
+        n, k = w.shape
+        q = unpack(stored[module + ".weight_packed"], 4, k)
+        z = unpack(stored[module + ".weight_zero_point"].t().contiguous(), 4, n).t()
+        g = k // scale.shape[1]
+        value = (q.bfloat16() - z.bfloat16().repeat_interleave(g, 1)) * scale.repeat_interleave(
+            g, 1
+        )
+        assert w.scheme == ("int8g" if strategy == "group" else "int8"), name
+        assert torch.equal(w.dequantize(), value), name
+        dense[name] = value
+    assert len(dense) == len(checkpoint_tensors(llm.weights))
+    plain = tmp_path / "dense"
+    shutil.copytree(wide_ckpt, plain)
+    save_file(dense, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    prompts = [prompt_of(11, seed=4), prompt_of(6, seed=5)]
+    a = llm.generate(prompts, GREEDY, return_logits=True)
+    b = LLM(plain, **hf).generate(prompts, GREEDY, return_logits=True)
+    for x, y in zip(a, b, strict=True):
+        assert list(x.token_ids) == list(y.token_ids)
+        assert torch.equal(x.logits, y.logits)
+
+
+def test_asymmetric_zero_points_that_do_not_fit_are_named(w4, tmp_path):
+    def asymmetric(qc):
+        _group(qc)["weights"].update(symmetric=False)
+
+    def missing(state):
+        _zero_points(state, torch.Generator().manual_seed(0))
+        del state["model.layers.0.mlp.gate_proj.weight_zero_point"]
+
+    bad = _edit(w4, tmp_path / "missing", config=asymmetric, tensors=missing)
+    with pytest.raises(ValueError, match="model.layers.0.mlp.gate_proj.weight_zero_point"):
+        LLM(bad, **ENGINE)
+
+    def unpacked(state):  # int8 [N, G] where pack-quantized packs it into int32
+        _zero_points(state, torch.Generator().manual_seed(0), packed=False)
+
+    bad = _edit(w4, tmp_path / "unpacked", config=asymmetric, tensors=unpacked)
+    with pytest.raises(ValueError, match="weight_zero_point"):
+        LLM(bad, **ENGINE)

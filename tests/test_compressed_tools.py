@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints proved by the tools that own the format (make
 test-compressed, in a venv with the compressed extra: llm-compressor and compressed-tensors).
 
-- llm-compressor's ``oneshot`` with a data-free ``QuantizationModifier`` (W8A16, W4A16)
+- llm-compressor's ``oneshot`` with a data-free ``QuantizationModifier`` (W8A16, W4A16,
+  W4A16_ASYM)
   quantizes an Ouro checkpoint (the toy writer's, in the real HF layout): rlt-hal loads what
   it writes to exactly the weights compressed-tensors decompresses it to, and generates the
   tokens and logits, bit for bit, of rlt-hal on those decompressed bf16 weights.
@@ -166,7 +167,7 @@ def _weights_equal(llm: LLM, dense: Path) -> None:
     assert quantized
 
 
-@pytest.mark.parametrize("scheme", ["W8A16", "W4A16"])
+@pytest.mark.parametrize("scheme", ["W8A16", "W4A16", "W4A16_ASYM"])
 def test_llm_compressor_oneshot_checkpoint_runs_its_decompressed_weights(ouro, tmp_path, scheme):
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -183,6 +184,7 @@ def test_llm_compressor_oneshot_checkpoint_runs_its_decompressed_weights(ouro, t
     llm = LLM(out, **ENGINE)
     stored = llm.stored_quantization
     assert stored is not None and stored.bits == int(scheme[1])
+    assert stored.zero_points == scheme.endswith("_ASYM")  # run as int8g holding q - z
     assert stored.gate  # oneshot quantized the exit gate too: rlt-hal runs it dequantized
     dense = _decompressed(out, tmp_path / "dense")
     _weights_equal(llm, dense)

@@ -20,7 +20,11 @@ Supported: integer weights of 8 bits (``hal.quant``'s int8: one scale per output
 int8g: one per group, llm-compressor's W8A16 preset) and 4 bits (int4, per group or per
 channel), symmetric, activations in bf16 (W8A16, W4A16). A group of a multiple of 128 (and
 int4 per channel) runs as the kernels' group of 128 with each scale repeated: every value
-stays the same. W8A8 (int8 weights per channel, activations int8 per token, dynamic,
+stays the same. Asymmetric 4-bit weights (llm-compressor's W4A16_ASYM: ``M.weight_zero_point``
+``z``, int8 ``[N, K / group]``; pack-quantized packs it along the output channels, int32
+``[N / 8, K / group]``) have the value ``(q - z) * scale``: they run as int8 (per channel) or
+int8g (per group) holding ``q - z``, in [-15, 15], the same values at twice int4's bytes.
+Asymmetric 8-bit weights (``q - z`` spans 511 values) are refused. W8A8 (int8 weights per channel, activations int8 per token, dynamic,
 symmetric: llm-compressor's W8A8 preset) runs as ``--quantize-activations token``.
 Everything else is refused by name before a weight loads. An msModelSlim checkpoint (a
 ``quant_model_description.json`` beside it) is read by ``runtime_glue.ouro.msmodelslim``.
@@ -55,7 +59,7 @@ FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # int-: naive'
 BITS = (8, 4)
 WHAT_WORKS = (
     "rlt-hal loads compressed-tensors W8A16 and W4A16 checkpoints (int8 or int4, per channel "
-    "or per group, symmetric) and W8A8 (int8 per channel, activations int8 per token), or "
+    "or per group; int4 also asymmetric) and W8A8 (int8 per channel, activations int8 per token), or "
     "quantizes a bf16 checkpoint at load (--quantization int8|int8g|int4)"
 )
 
@@ -74,10 +78,14 @@ class CheckpointQuantization:
     gate: bool  # the exit gate is quantized (dequantized at load: it is bf16 in rlt-hal)
     method: str = METHOD  # "compressed-tensors" or "msModelSlim"
     activations: str | None = None  # "token": W8A8 dynamic (--quantize-activations token)
+    # Asymmetric 4-bit weights (compressed-tensors' weight_zero_point), run as int8 or int8g
+    # holding q - zero point.
+    zero_points: bool = False
 
     @property
     def bits(self) -> int:
-        return 4 if self.scheme == "int4" else 8
+        """The checkpoint's bits per weight."""
+        return 4 if self.scheme == "int4" or self.zero_points else 8
 
     def describe(self) -> str:
         """e.g. "compressed-tensors W4A16 (pack-quantized, group 128)", "msModelSlim
@@ -86,7 +94,8 @@ class CheckpointQuantization:
         if self.method != METHOD:
             return f"{self.method} {self.format} ({per})"
         acts = 8 if self.activations == "token" else 16
-        return f"{METHOD} W{self.bits}A{acts} ({self.format}, {per})"
+        asym = ", asymmetric" if self.zero_points else ""
+        return f"{METHOD} W{self.bits}A{acts} ({self.format}, {per}{asym})"
 
 
 def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuantization | None:
@@ -120,8 +129,13 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         raise refuse(f"config group {name!r}: {activations}")
     if kind != "int" or bits not in BITS:
         raise refuse(f"{kind} weights of {bits} bits (config group {name!r}) are not supported")
-    if not w.get("symmetric", True):
-        raise refuse(f"asymmetric weights (zero points, config group {name!r}) are not supported")
+    asymmetric = not w.get("symmetric", True)
+    if asymmetric and bits != 4:
+        raise refuse(
+            f"asymmetric {bits}-bit weights (zero points, config group {name!r}) are not "
+            f"supported: q - zero point spans {2 ** (bits + 1) - 1} values, more than int8 holds "
+            "(asymmetric 4-bit weights load)"
+        )
     if w.get("actorder") not in (None, "static"):
         raise refuse(
             f"activation ordering (actorder {w['actorder']!r}, config group {name!r}: its g_idx "
@@ -131,12 +145,15 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         raise refuse(f"dynamic weight quantization (config group {name!r}) is not supported")
     widths = (cfg.hidden_size, cfg.intermediate_size)
     kernels: int | None = None  # the kernels' group
+    # Asymmetric 4-bit weights run as int8 (per channel or group) holding q - zero point,
+    # in [-15, 15]: exactly the values compressed-tensors decompresses, at twice int4's bytes.
+    wide = bits == 8 or asymmetric
     if strategy == "channel":
-        stored, scheme = None, "int8" if bits == 8 else "int4"
+        stored, scheme = None, "int8" if wide else "int4"
         if scheme == "int4":
             kernels = kernel_group(None, widths)
     elif strategy == "group":
-        stored, scheme = int(w.get("group_size") or 0), "int8g" if bits == 8 else "int4"
+        stored, scheme = int(w.get("group_size") or 0), "int8g" if wide else "int4"
         kernels = kernel_group(stored, widths)
     else:
         raise refuse(
@@ -167,6 +184,7 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         flags["lm_head"],
         flags["model.early_exit_gate"],
         activations=activations,
+        zero_points=asymmetric,
     )
 
 
@@ -235,11 +253,15 @@ def expected(cfg: OuroConfig, cq: CheckpointQuantization) -> dict[str, tuple[tup
         n, k = shape
         scales = 1 if cq.stored_group is None else k // cq.stored_group
         out[module + ".weight_scale"] = ((n, scales), ("BF16", "F16", "F32"))
-        if cq.format != "pack-quantized":  # naive- and int-quantized: M.weight int8
+        packed = cq.format == "pack-quantized"
+        if not packed:  # naive- and int-quantized: M.weight int8
             out[name] = ((n, k), ("I8",))
         else:
             out[module + ".weight_packed"] = ((n, -(-k * cq.bits // 32)), ("I32",))
             out[module + ".weight_shape"] = ((2,), ("I64", "I32"))
+        if cq.zero_points:  # packed along the output channels, as compressed-tensors packs it
+            zp = ((-(-n * cq.bits // 32), scales), ("I32",)) if packed else ((n, scales), ("I8",))
+            out[module + ".weight_zero_point"] = zp
     return out
 
 
@@ -268,6 +290,21 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(per, dtype=torch.int64) * bits
     words = (u << shifts).sum(dim=-1)  # in [0, 2^32)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _zero_points(entry: TensorEntry, cq: CheckpointQuantization, n: int) -> torch.Tensor:
+    """A module's zero points (int16 ``[N, K / group]``, repeated over each group's inputs):
+    ``weight_zero_point`` as stored (pack-quantized: packed along the output channels)."""
+    z = read_tensor(entry)
+    if cq.format == "pack-quantized":
+        z = unpack(z.t().contiguous(), cq.bits, n).t()
+    lo, hi = -(1 << (cq.bits - 1)), (1 << (cq.bits - 1)) - 1
+    if not (lo <= int(z.min()) and int(z.max()) <= hi):
+        raise CheckpointError(
+            f"{entry.file}: tensor {entry.name!r} holds zero points outside [{lo}, {hi}]"
+        )
+    z = z.to(torch.int16)
+    return z if cq.stored_group is None else z.repeat_interleave(cq.stored_group, dim=1)
 
 
 def load(
@@ -353,6 +390,8 @@ def _quantized_weight(
                 f"implies {[n, k]}"
             )
         q = unpack(read_tensor(entries[module + ".weight_packed"]), cq.bits, k)
+    if cq.zero_points:
+        q = q.to(torch.int16) - _zero_points(entries[module + ".weight_zero_point"], cq, n)
     scale = scale.bfloat16()
     if cq.scheme == "int8":
         return from_integers(q, scale[:, 0], "int8")
