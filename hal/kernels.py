@@ -59,8 +59,10 @@ class Kernel:
     scheme of ``hal.quant`` (a ``QuantizedWeight``). ``activations``: "int8" for a kernel that
     quantizes its inputs per block of 32 as llama.cpp does (its arithmetic is W8A8 / W4A8),
     "int8-token" for one that quantizes each row with one scale as vllm-ascend's W8A8 dynamic
-    does (``npu_dynamic_quant``); the conformance kit checks each against a reference of its
-    arithmetic (``hal.quant.quantize_activations``).
+    does (``npu_dynamic_quant``), "int8-static" for one that quantizes them with the weight's
+    calibrated per-tensor scale and offset (``hal.quant.StaticInput``, W8A8 static, vllm-ascend's
+    ``npu_quantize`` + ``npu_quant_matmul``); the conformance kit checks each against a
+    reference of its arithmetic (``hal.quant.quantize_activations``).
 
     ``fast_only``: a fused kernel that only ``--mode fast`` may use, and only once a check on
     the device has admitted it (no other mode ever chooses it).
@@ -78,10 +80,11 @@ class Kernel:
     fast_only: bool = False
     scheme: str = attrs.field(default="bf16", validator=attrs.validators.in_(WEIGHT_SCHEMES))
     # A quantized linear's activations: "bf16" as given, "int8": quantized per block of 32, or
-    # "int8-token": one scale a row (hal.quant.quantize_activations), before integer dot
-    # products (W8A8 / W4A8).
+    # "int8-token": one scale a row, "int8-static": the weight's calibrated scale and offset
+    # (hal.quant.quantize_activations), before integer dot products (W8A8 / W4A8).
     activations: str = attrs.field(
-        default="bf16", validator=attrs.validators.in_(("bf16", "int8", "int8-token"))
+        default="bf16",
+        validator=attrs.validators.in_(("bf16", "int8", "int8-token", "int8-static")),
     )
     check: Callable[[], None] = _always_available
     description: str = ""

@@ -133,6 +133,15 @@ def wrong_group(x, w):
     return dequantized_linear(x, attrs.evolve(w, scale=scale, forms={}))
 
 
+def biasless(x, w):
+    """W8A8 static without quant_bias (the input's offset never taken back out)."""
+    import attrs
+    from hal.quant import static_linear
+
+    static = attrs.evolve(w.static, bias=torch.zeros_like(w.static.bias))
+    return static_linear(x, attrs.evolve(w, static=static, forms={}))
+
+
 def one_rounding(q, k, cos, sin):
     """Rotary with the sum of both products rounded once (as a fused multiply-add would)."""
     from hal.kernels import rotate_half
@@ -150,6 +159,7 @@ KERNELS = [
     Kernel("linear", "widthwise", widthwise, column_invariant=True),
     Kernel("linear", "batchwise", batchwise, row_invariant=True),
     Kernel("linear", "wronggroup", wrong_group, scheme="int4"),
+    Kernel("linear", "biasless", biasless, scheme="int8", activations="int8-static"),
 ]
 
 
@@ -164,8 +174,9 @@ def rlt_hal_register_drivers():
 
 def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_the_kit(tmp_path):
     """Planted bugs: a leaky mask, a dropped K tail, a zeroed stacked column, a row summed
-    differently in one call shape, an int4 kernel reading a wrong group's scale, and a rotary
-    kernel that claims HF's bits but rounds once."""
+    differently in one call shape, an int4 kernel reading a wrong group's scale, a W8A8
+    static kernel that drops quant_bias, and a rotary kernel that claims HF's bits but rounds
+    once."""
     (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
     dist = tmp_path / "leaky_driver-0.1.dist-info"
     dist.mkdir()
@@ -179,4 +190,5 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     assert "widthwise: 1 rows x K 64" in proc.stdout
     assert "linear batchwise claims row invariance, but rows in a 13-row call differ" in proc.stdout
     assert "wronggroup (group 32): 1x256 @ 256x96 exceeds the bound" in proc.stdout
+    assert "biasless (group None): 1x256 @ 256x96 exceeds the bound" in proc.stdout
     assert "AssertionError: rotary oneround" in proc.stdout

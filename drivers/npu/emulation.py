@@ -83,6 +83,7 @@ class EmulatedTorchNpu:
     npu_convert_weight_to_int4pack = staticmethod(quant_ops.npu_convert_weight_to_int4pack)
     npu_dynamic_quant = staticmethod(quant_ops.npu_dynamic_quant)  # W8A8 dynamic
     npu_quant_matmul = staticmethod(quant_ops.npu_quant_matmul)
+    npu_quantize = staticmethod(quant_ops.npu_quantize)  # W8A8 static
 
     def __init__(self, event_delay: int = 0, device_count: int = 1) -> None:
         self.event_delay = event_delay

@@ -127,8 +127,15 @@ class _Tape(TorchDispatchMode):
                 self.buffers += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.paused:
-            return func(*args, **(kwargs or {}))
+        if self.paused:  # warm-up work: what it makes outlives the step, as a static buffer
+            out = func(*args, **(kwargs or {}))
+            ins = {
+                _storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            }
+            for t in tree_flatten(out)[0]:  # a new buffer's address may be a freed step one's
+                if isinstance(t, torch.Tensor) and _storage(t) not in ins:
+                    self.made.pop(_storage(t), None)
+            return out
         if self.capture and func in _HOST_READ_OPS:
             raise GraphCaptureError(
                 f"host read during graph capture ({func}): a graph freezes the branch it saw; "

@@ -34,6 +34,9 @@ hardware result):
   DTYPE_MAX, y = round(x / scale)" (fp32 scale per row); emulated as CANN's DynamicQuant
   kernel computes it (``y = rint(x * (127 / rowmax))``, ``scale = 1 / (127 / rowmax)``; a
   newer kernel writes ``rowmax * (1 / 127)``, at most one fp32 ulp apart).
+- ``npu_quantize(input, scales, zero_points, dtype, axis, div_mode)``: with ``div_mode``
+  False, documented as ``input * scales + zero_points`` to ``dtype``; emulated for int8
+  (``torch.qint8``) as fp32 steps, rounded half to even, saturated (the emulation's model).
 - ``npu_quant_matmul(x1, x2, scale, *, pertoken_scale, bias, output_dtype)``: int8 ``x1 [m,
   k] @ x2 [k, n]``, ``scale`` float32/bfloat16 ``(1,)`` or ``(n,)``, ``pertoken_scale`` float32
   ``(m,)``, int32 ``bias``. The docs give no formula; the emulation's: exact integer sums,
@@ -375,8 +378,67 @@ def npu_quant_matmul(
     return _quant_matmul(x1, x2, scale, pertoken_scale, bias, output_dtype)
 
 
+# -- npu_quantize ----------------------------------------------------------------------------
+
+QUANTIZE = "npu_quantize"
+
+
+def _check_quantize(x, scales, zero_points, dtype, axis, div_mode) -> None:
+    """The documented rules of the form vllm-ascend's W8A8 static calls (div_mode False, int8
+    output, A2/A3): scales (and zero_points, "of scales' shape and dtype") 1-D of the last
+    axis' size or 1, in float, float16 or bfloat16."""
+    if div_mode or dtype != torch.qint8:
+        raise NotImplementedError(
+            f"{QUANTIZE}: only div_mode=False with dtype torch.qint8 is emulated"
+        )
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        refuse(QUANTIZE, f"input must be float, float16 or bfloat16, got {x.dtype}")
+    if axis < -2 or axis >= x.dim():
+        refuse(QUANTIZE, f"axis must be in [-2, {x.dim() - 1}], got {axis}")
+    if axis == -2:
+        raise NotImplementedError(f"{QUANTIZE}: axis -2 is not emulated")
+    last = x.shape[-1]
+    if scales.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        refuse(QUANTIZE, f"scales must be float, float16 or bfloat16, got {scales.dtype}")
+    if scales.dim() != 1 or scales.shape[0] not in (1, last):
+        refuse(QUANTIZE, f"scales must be 1-D of size {last} or 1 here, got {list(scales.shape)}")
+    if zero_points is not None and (
+        zero_points.shape != scales.shape or zero_points.dtype != scales.dtype
+    ):
+        refuse(QUANTIZE, "zero_points must have scales' shape and dtype with div_mode=False")
+
+
+@torch.library.custom_op("rlt_npu_emulated::npu_quantize", mutates_args=())
+def _quantize(
+    x: Tensor, scales: Tensor, zero_points: Tensor | None, dtype: torch.dtype, axis: int,
+    div_mode: bool,
+) -> Tensor:  # fmt: skip
+    _check_quantize(x, scales, zero_points, dtype, axis, div_mode)
+    # The emulation's own model (the docs give "input * scales + zero_points" only): each step
+    # in fp32, rounded half to even, saturated to int8.
+    y = x.float() * scales.float()
+    if zero_points is not None:
+        y = y + zero_points.float()
+    return torch.round(y).clamp_(-128, 127).to(torch.int8)
+
+
+@_quantize.register_fake
+def _(x, scales, zero_points, dtype, axis, div_mode):
+    return x.new_empty(x.shape, dtype=torch.int8)
+
+
+def npu_quantize(
+    input: Tensor, scales: Tensor, zero_points: Tensor | None, dtype, axis: int = 1,
+    div_mode: bool = True,
+) -> Tensor:  # fmt: skip
+    """``torch_npu.npu_quantize``: ``input * scales + zero_points`` (div_mode False) to int8,
+    the form vllm-ascend's W8A8 static linear calls (``torch.qint8``, axis -1)."""
+    return _quantize(input, scales, zero_points, dtype, axis, div_mode)
+
+
 OPS = {
     WQBMM: npu_weight_quant_batchmatmul,
+    QUANTIZE: npu_quantize,
     PACK: npu_convert_weight_to_int4pack,
     DYNQ: npu_dynamic_quant,
     QMM: npu_quant_matmul,

@@ -19,6 +19,9 @@ the op with the weight in the layout vllm-ascend gives it, derived once per weig
 - int8 with per-token activations (``int8-token-npu``, vllm-ascend's W8A8 dynamic linear
   method): ``npu_dynamic_quant(x)`` gives int8 rows and their fp32 scales, then
   ``npu_quant_matmul(q, weight [K, N], scale [N] fp32, pertoken_scale=..., output_dtype=bf16)``.
+- int8 with static activations (``int8-static-npu``, vllm-ascend's W8A8 static linear method):
+  ``npu_quantize(x, 1 / input_scale, input_offset, torch.qint8, -1, False)`` then
+  ``npu_quant_matmul(q, weight [K, N], deq_scale, bias=quant_bias, output_dtype=bf16)``.
 
 ``hal.quant``'s schemes are symmetric, so no ``antiquant_offset`` is passed (vllm-ascend's
 wNa16 kernel passes None; its msModelSlim W8A16 passes the checkpoint's per-channel offset,
@@ -50,7 +53,8 @@ from hal.quant import QuantizedWeight
 VERSION = "npu-quant-1"
 WEIGHT_ONLY_OPS = ("npu_weight_quant_batchmatmul", "npu_convert_weight_to_int4pack")
 TOKEN_OPS = ("npu_dynamic_quant", "npu_quant_matmul")  # W8A8 dynamic
-QUANT_OPS = WEIGHT_ONLY_OPS + TOKEN_OPS
+STATIC_OPS = ("npu_quantize", "npu_quant_matmul")  # W8A8 static
+QUANT_OPS = WEIGHT_ONLY_OPS + TOKEN_OPS + ("npu_quantize",)
 PACK = 8  # int4 values per packed int32
 
 
@@ -131,8 +135,37 @@ def kernels(device) -> tuple[Kernel, ...]:
         )
         return out.reshape(*lead, weight.shape[1])
 
+    def static_form(w: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+        """vllm-ascend's W8A8 static layer after loading: the int8 weight ``[K, N]``, the
+        input's reciprocal scale and offset repeated K times (its ``aclnn_input_scale_
+        reciprocal``, ``1 / input_scale`` in the parameter's bf16, and ``aclnn_input_offset``),
+        ``deq_scale`` fp32 and ``quant_bias`` int32."""
+        if w.static is None:
+            raise ValueError("int8-static-npu takes a W8A8 static weight (its StaticInput)")
+        with warm_up_work():
+            k, st = w.in_features, w.static
+            inv = (torch.ones_like(st.scale) / st.scale).repeat(k)
+            return (
+                w.qweight.t().contiguous(), inv, st.offset.to(inv.dtype).repeat(k),
+                st.deq_scale.float().contiguous(), st.bias.to(torch.int32).contiguous(),
+            )  # fmt: skip
+
+    def int8_static_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        weight, inv, offset, deq_scale, bias = w.form("npu-w8a8-static", static_form)
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        if rows.shape[0] == 0:
+            return x.new_empty(*lead, weight.shape[1])
+        q = ops("npu_quantize")(rows, inv, offset, torch.qint8, -1, False)
+        out = ops("npu_quant_matmul")(q, weight, deq_scale, bias=bias, output_dtype=x.dtype)
+        return out.reshape(*lead, weight.shape[1])
+
     def check_token() -> None:
         for name in TOKEN_OPS:
+            ops(name)
+
+    def check_static() -> None:
+        for name in STATIC_OPS:
             ops(name)
 
     def check_int4() -> None:
@@ -150,6 +183,10 @@ def kernels(device) -> tuple[Kernel, ...]:
                activations="int8-token", check=check_token, version=VERSION,
                description="W8A8 dynamic: npu_dynamic_quant per token, npu_quant_matmul with "
                            "int8 [K, N], per-channel and per-token scales"),
+        Kernel("linear", "int8-static-npu", int8_static_linear, scheme="int8",
+               activations="int8-static", check=check_static, version=VERSION,
+               description="W8A8 static: npu_quantize with the calibrated scale and offset, "
+                           "npu_quant_matmul with int8 [K, N], quant_bias and deq_scale"),
         Kernel("linear", "int4-npu", int4_linear, scheme="int4",
                check=check_int4, version=VERSION,
                description="npu_weight_quant_batchmatmul, int4 packed by "

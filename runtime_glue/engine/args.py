@@ -36,7 +36,7 @@ def toy_banner(preset: str) -> str:
     )
 
 
-ACTIVATION_CHOICES = ("none", "block", "token")
+ACTIVATION_CHOICES = ("none", "block", "token", "static")
 
 
 def _activations_mode(value: Any) -> str | None:
@@ -119,6 +119,17 @@ REFUSED = (
         "activations (--quantize-activations none runs the weights with bf16 activations)",
     ),
     (
+        "mode", "hf-exact", "quantize_activations", "static",
+        "Hugging Face's arithmetic quantizes no activations; W8A8 static runs in the "
+        "deterministic and fast modes (--quantize-activations none runs the weights with bf16 "
+        "activations, HF-exact)",
+    ),
+    (
+        "deterministic", False, "quantize_activations", "static",
+        "--no-deterministic is --mode hf-exact, and Hugging Face's arithmetic quantizes no "
+        "activations (--quantize-activations none runs the weights with bf16 activations)",
+    ),
+    (
         "speculative_loops", SET, "kv_sharing", "last",
         "under kv sharing a generated position's K/V is its last loop's, and a verify row "
         "cannot see the earlier drafts' last-loop K/V (their last loop runs in the same step)",
@@ -194,8 +205,10 @@ class EngineArgs:
             "does, with integer dot products (W8A8 / W4A8): faster where decode is bound by "
             "instructions, not bytes; another arithmetic. 'token' quantizes every projection's "
             "activations per token as vllm-ascend's W8A8 dynamic (int8 weights per channel; "
-            "what a W8A8_DYNAMIC checkpoint runs by default). 'none': activations as given, "
-            "also for a checkpoint that stores W8A8",
+            "what a W8A8_DYNAMIC checkpoint runs by default). 'static' quantizes them with the "
+            "calibrated input scale and offset a W8A8 static checkpoint stores (msModelSlim's "
+            "W8A8; what it runs by default). 'none': activations as given, also for a "
+            "checkpoint that stores W8A8",
             "cli": {"choices": ACTIVATION_CHOICES, "nargs": "?", "const": "block"},
         },
     )

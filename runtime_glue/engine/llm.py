@@ -32,6 +32,7 @@ from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.speculative import SpeculativeConfig
 from runtime_glue.engine.tokenizer import load_tokenizer, render_chat
 from runtime_glue.engine.weights import (
+    check_static_activations,
     check_weights_fit,
     load_model_weights,
     read_stored_quantization,
@@ -124,6 +125,7 @@ class LLM:
         stored = read_stored_quantization(model_dir, self.config)
         if stored is not None:
             args = with_stored_quantization(args, stored)
+        check_static_activations(args, stored)
         self.args, self.model_dir, self.stored_quantization = args, model_dir, stored
         self.tokenizer = load_tokenizer(self.model_dir)
         registry = registry or default_registry()

@@ -29,7 +29,7 @@ def read_stored_quantization(model_dir: Path, cfg: OuroConfig) -> CheckpointQuan
 def with_stored_quantization(args: EngineArgs, stored: CheckpointQuantization) -> EngineArgs:
     """``args`` for a checkpoint quantized elsewhere: its scheme as ``--quantization`` (and a
     W8A8 dynamic checkpoint's activations as ``--quantize-activations token``, unless another
-    choice is given)."""
+    choice is given; a W8A8 static one's as ``static``)."""
     if args.quantization not in (None, stored.scheme):
         raise ValueError(
             f"--quantization {args.quantization}: the checkpoint is already quantized "
@@ -46,6 +46,18 @@ def with_stored_quantization(args: EngineArgs, stored: CheckpointQuantization) -
         quantize_lm_head=stored.lm_head,
         quantize_activations=args.quantize_activations or stored.activations,
     )
+
+
+def check_static_activations(args: EngineArgs, stored: CheckpointQuantization | None) -> None:
+    """``--quantize-activations static`` where the checkpoint stores no calibrated input scales
+    (only a W8A8 static checkpoint does), refused before a weight loads."""
+    if args.quantize_activations == "static" and (stored is None or stored.activations != "static"):
+        held = "is not quantized" if stored is None else f"is {stored.describe()}"
+        raise ValueError(
+            "--quantize-activations static quantizes each projection's input with the "
+            "calibrated scale and offset a W8A8 static checkpoint stores (msModelSlim W8A8), "
+            f"and this checkpoint {held}: use --quantize-activations token or block"
+        )
 
 
 def check_weights_fit(args: EngineArgs, cfg: OuroConfig) -> None:

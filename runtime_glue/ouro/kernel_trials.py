@@ -18,12 +18,14 @@ import torch
 from hal.interfaces import Driver
 from hal.kernels import Kernel, adversarial_rows, adversarial_weight, check_rows
 from hal.quant import (
+    STATIC_REFERENCE,
     TOKEN_REFERENCE,
     QuantizedWeight,
     adversarial_qrows,
     adversarial_qweight,
     kernel_activations,
     scheme_of,
+    with_static_input,
 )
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.plan import (
@@ -68,6 +70,9 @@ class PlanOp:
             n, k = w.shape
             if isinstance(w, QuantizedWeight):
                 qw = adversarial_qweight(n, k, w.scheme, w.group_size, gen)
+                if w.static is not None:  # W8A8 static: the model's calibrated input
+                    st = w.static
+                    qw = with_static_input(qw, float(st.scale[0]), int(st.offset[0]))
                 self._check_inputs["w"] = qw.to(self.device)
             else:
                 self._check_inputs["w"] = adversarial_weight(n, k, gen).to(self.device)
@@ -196,24 +201,28 @@ def plain_linear(
     """The linear kernel of a plan that measures nothing (HF-exact, fast) for weights in
     ``scheme``: the one ``--linear`` names where it takes them, else the reference (torch's
     F.linear; for quantized weights, F.linear on them dequantized: ``hal.quant``; with
-    per-token activations, the driver's own per-token kernel, else the reference,
-    ``hal.quant.token_linear``: the same bits)."""
+    per-token or static activations, the driver's own kernel of that arithmetic, else the
+    reference, ``hal.quant.token_linear`` or ``static_linear``: the same bits)."""
     named = named_for(driver, linear, scheme)
     if named is not None:
         return named
     if scheme == "bf16":
         return "torch"
-    if activations != "token":
+    if activations not in ("token", "static"):
         return f"{scheme}-dequant"
+    kind, reference = {
+        "token": ("int8-token", TOKEN_REFERENCE),
+        "static": ("int8-static", STATIC_REFERENCE),
+    }[activations]
     own = (
         k.name
         for k in driver.kernels_for("linear", scheme)
-        if k.activations == "int8-token"
+        if k.activations == kind
         and not k.fast_only
-        and k.name != TOKEN_REFERENCE
+        and k.name != reference
         and k.available() is None
     )
-    return next(own, TOKEN_REFERENCE)
+    return next(own, reference)
 
 
 def _candidates(

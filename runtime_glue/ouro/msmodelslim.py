@@ -16,10 +16,16 @@ A quantized Linear module ``M`` holds (msModelSlim's AscendV1 saver, as vllm-asc
 Arithmetic: W8A16 is ``x @ (q * scale).T`` (``hal.quant``'s int8, or int8g per group); W8A8
 dynamic quantizes each row of ``x`` with one scale (``torch_npu.npu_dynamic_quant``) and sums
 integer products (``npu_quant_matmul`` with per-channel and per-token scales):
-``hal.quant.token_linear``, what ``--quantize-activations token`` runs. Every projection of
-every layer must have the same type; everything else (embedding, norms, the exit gate,
-lm_head) must be "FLOAT". W8A8 static (``input_scale``, ``input_offset``, ``quant_bias``,
-``deq_scale``) and the other types are refused by name before a weight loads.
+``hal.quant.token_linear``, what ``--quantize-activations token`` runs. W8A8 (static) also
+holds ``M.input_scale`` and ``M.input_offset`` (``(1,)``: the input's calibrated scale and
+integer offset), ``M.quant_bias`` (int32 ``[N]``: ``-offset * sum_k q``) and ``M.deq_scale``
+(fp32 ``[N]``: ``input_scale * weight_scale``; a float16 model's int64 holds its bits), as
+vllm-ascend's ``w8a8_static`` reads them: the input quantized with the scale and offset
+(``npu_quantize``), the integer sums plus ``quant_bias`` times ``deq_scale``
+(``npu_quant_matmul``): ``hal.quant.static_linear``, ``--quantize-activations static``.
+Every projection of every layer must have the same type; everything else (embedding, norms,
+the exit gate, lm_head) must be "FLOAT". The other types are refused by name before a weight
+loads.
 
 :func:`write` makes such checkpoints from rlt-hal's own int8 quantization (``rlt-hal
 quantize --format msmodelslim``).
@@ -31,11 +37,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from safetensors.torch import save_file
 
 from hal.interfaces import Device
-from hal.quant import QuantizedWeight, from_integers
+from hal.quant import QuantizedWeight, StaticInput, from_integers
 from runtime_glue.ouro.checkpoint import CheckpointError, TensorEntry, expected_tensors, read_tensor
 from runtime_glue.ouro.compressed import CheckpointQuantization, kernel_group, load_stored
 from runtime_glue.ouro.compressed_write import write_beside
@@ -45,12 +52,13 @@ from runtime_glue.ouro.quantize import checkpoint_tensors
 METHOD = "msModelSlim"
 DESCRIPTION = "quant_model_description.json"
 WEIGHTS_FILE = "quant_model_weights.safetensors"  # the AscendV1 saver's name
-TYPES = ("W8A16", "W8A8_DYNAMIC")  # what rlt-hal runs
-STATIC = "W8A8"
+STATIC = "W8A8"  # W8A8 static: the input's scale and offset calibrated, per tensor
+TYPES = ("W8A16", "W8A8_DYNAMIC", STATIC)  # what rlt-hal runs
 WHAT_WORKS = (
-    "rlt-hal loads msModelSlim W8A16 (per channel or group) and W8A8_DYNAMIC checkpoints with "
-    "symmetric weights (zero weight_offset) and every projection of one type"
+    "rlt-hal loads msModelSlim W8A16 (per channel or group), W8A8_DYNAMIC and W8A8 (static) "
+    "checkpoints with symmetric weights (zero weight_offset) and every projection of one type"
 )
+ACTIVATIONS = {"W8A8_DYNAMIC": "token", STATIC: "static"}
 
 
 def is_msmodelslim(model_dir: str | Path) -> bool:
@@ -82,11 +90,6 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         types[name] = str(description[name])
     projections = [n for n in types if n.endswith("_proj.weight")]
     kind = types[projections[0]]
-    if kind == STATIC:
-        raise refuse(
-            f"{projections[0]!r} is W8A8 (static: per-tensor input_scale and input_offset, "
-            "quant_bias, deq_scale), which is not supported yet"
-        )
     if kind not in TYPES:
         raise refuse(f"{projections[0]!r} is {kind}, which is not supported")
     other = next((n for n in projections if types[n] != kind), None)
@@ -116,7 +119,7 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         False,
         False,
         method=METHOD,
-        activations="token" if kind == "W8A8_DYNAMIC" else None,
+        activations=ACTIVATIONS.get(kind),
     )
 
 
@@ -134,6 +137,11 @@ def expected(cfg: OuroConfig, cq: CheckpointQuantization) -> dict[str, tuple[tup
         out[name] = ((n, k), ("I8",))
         out[module + ".weight_scale"] = (scales, scale_dtypes)
         out[module + ".weight_offset"] = (scales, scale_dtypes)
+        if cq.format == STATIC:
+            out[module + ".input_scale"] = ((1,), scale_dtypes)
+            out[module + ".input_offset"] = ((1,), (*scale_dtypes, "I8"))
+            out[module + ".quant_bias"] = ((n,), ("I32",))
+            out[module + ".deq_scale"] = ((n,), ("F32", "I64"))  # I64: a float16 model's
     return out
 
 
@@ -167,6 +175,8 @@ def _quantized_weight(
         )
     scale = read_tensor(entries[module + ".weight_scale"]).bfloat16()  # as vllm-ascend loads it
     q = read_tensor(entries[module + ".weight"])
+    if cq.format == STATIC:
+        return attrs.evolve(from_integers(q, scale[:, 0], "int8"), static=_static(entries, module))
     if cq.scheme == "int8":
         return from_integers(q, scale[:, 0], "int8")
     assert cq.group_size is not None  # int8g has one
@@ -174,12 +184,36 @@ def _quantized_weight(
     return from_integers(q, scale, "int8g", cq.group_size)
 
 
+def _static(entries: dict[str, TensorEntry], module: str) -> StaticInput:
+    """A W8A8 static module's calibrated input as vllm-ascend's bf16 model holds it:
+    ``input_scale`` and ``input_offset`` in bf16 (the offset an integer), ``quant_bias`` int32,
+    ``deq_scale`` fp32 (a float16 model's int64 holds the fp32 bits in its low 32)."""
+    scale_entry, offset_entry = entries[module + ".input_scale"], entries[module + ".input_offset"]
+    scale, offset = read_tensor(scale_entry), read_tensor(offset_entry)
+    value = float(offset[0])
+    if value != round(value) or not -128 <= value <= 127:
+        raise CheckpointError(
+            f"{offset_entry.file}: tensor {offset_entry.name!r} is {value}, not an int8 offset"
+        )
+    if not float(scale[0]) > 0:
+        raise CheckpointError(
+            f"{scale_entry.file}: tensor {scale_entry.name!r} is {float(scale[0])}, not a "
+            "positive scale"
+        )
+    deq = read_tensor(entries[module + ".deq_scale"])
+    if deq.dtype == torch.int64:
+        deq = (deq & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    bias = read_tensor(entries[module + ".quant_bias"])
+    return StaticInput(scale.bfloat16(), offset.bfloat16(), bias, deq.float())
+
+
 def write(
     src: str | Path, dst: str | Path, weights: dict[str, Any], kind: str, group_size: int
 ) -> Path:
-    """An msModelSlim checkpoint (the AscendV1 layout) of ``kind`` ("W8A16" or
-    "W8A8_DYNAMIC") in ``dst``: ``weights`` as ``quantize.quantize_weights`` gave them (int8
-    per channel; W8A16 also int8g per group), beside ``src``'s config.json (without a
+    """An msModelSlim checkpoint (the AscendV1 layout) of ``kind`` ("W8A16", "W8A8_DYNAMIC"
+    or "W8A8") in ``dst``: ``weights`` as ``quantize.quantize_weights`` gave them (int8
+    per channel; W8A16 also int8g per group; W8A8 static: each projection with its calibrated
+    input, ``hal.quant.with_static_input``), beside ``src``'s config.json (without a
     ``quantization_config``) and tokenizer."""
     if kind not in TYPES:
         raise ValueError(f"msModelSlim type must be one of {', '.join(TYPES)}, got {kind!r}")
@@ -204,7 +238,15 @@ def write(
         out[name] = w.qweight.contiguous()
         out[module + ".weight_scale"] = scale.contiguous()
         out[module + ".weight_offset"] = torch.zeros_like(scale)
-        for part in (name, module + ".weight_scale", module + ".weight_offset"):
+        if kind == STATIC:
+            if w.static is None:
+                raise ValueError(f"W8A8 (static) needs {name}'s calibrated input")
+            st = w.static
+            out[module + ".input_scale"] = st.scale.float().contiguous()
+            out[module + ".input_offset"] = st.offset.float().contiguous()
+            out[module + ".quant_bias"] = st.bias.contiguous()
+            out[module + ".deq_scale"] = st.deq_scale.float().contiguous()
+        for part in [n for n in out if n.startswith(module + ".")]:
             description[part] = kind
     save_file(out, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
     (dst / DESCRIPTION).write_text(json.dumps(description, indent=2))

@@ -17,10 +17,19 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from hal.interfaces import Device
-from hal.quant import GROUPED, QuantizedWeight, check_scheme, describe, layout, quantize
+from hal.quant import (
+    GROUPED,
+    QuantizedWeight,
+    StaticInput,
+    check_scheme,
+    describe,
+    layout,
+    quantize,
+)
 from runtime_glue.ouro.checkpoint import STACKED, expected_tensors
 from runtime_glue.ouro.config import OuroConfig
 
@@ -43,6 +52,11 @@ def check_quantization(
             f"--quantize-activations token (W8A8 dynamic, as vllm-ascend's) takes int8 weights "
             f"with one scale per channel, and --quantization is {scheme}: use --quantization "
             "int8, or --quantize-activations block"
+        )
+    if activations == "static" and scheme != "int8":
+        return (
+            f"--quantize-activations static (W8A8 static) takes int8 weights per channel, and "
+            f"--quantization is {scheme}"
         )
     try:
         check_scheme(scheme, group_size)
@@ -138,6 +152,7 @@ def place(
     owners, members = _owners(cfg, scheme, group_size, lm_head)
     views = _buffer(owners, device)
     out: dict[str, Any] = {}
+    statics: dict[str, StaticInput] = {}  # W8A8 static: each tensor's calibrated input
     for name, parts in views.items():
         if len(parts) == 2:
             assert scheme is not None  # only a quantized owner has two parts
@@ -171,13 +186,50 @@ def place(
                 )
             target.qweight.copy_(value.qweight)
             target.scale.copy_(value.scale.view(target.scale.shape))
+            if value.static is not None:
+                statics[name] = value.static
         else:
             target.copy_(value)
         del value
+    if statics:
+        _attach_statics(out, members, statics)
     for name, (stacked, start, stop) in members.items():
         w = out[stacked]
         out[name] = w.rows(start, stop) if isinstance(w, QuantizedWeight) else w[start:stop]
     return out
+
+
+def _attach_statics(
+    out: dict[str, Any], members: dict[str, tuple[str, int, int]], statics: dict[str, StaticInput]
+) -> None:
+    """Each quantized owner of ``out`` with its members' calibrated inputs (W8A8 static): a
+    stacked projection's members take one input, so their scale and offset must agree; their
+    biases and dequantization scales are stacked as their rows are."""
+    parts: dict[str, list[str]] = {}
+    for name in statics:
+        parts.setdefault(members[name][0] if name in members else name, []).append(name)
+    for owner, names in parts.items():
+        names.sort(key=lambda n: members[n][1] if n in members else 0)
+        first = statics[names[0]]
+        for name in names[1:]:
+            st = statics[name]
+            if not (torch.equal(st.scale, first.scale) and torch.equal(st.offset, first.offset)):
+                raise ValueError(
+                    f"{name}: input_scale / input_offset {float(st.scale[0])} / "
+                    f"{float(st.offset[0])} differ from {names[0]}'s {float(first.scale[0])} / "
+                    f"{float(first.offset[0])}: the stacked projections take one input"
+                )
+        w = out[owner]
+        device = w.device
+        static = StaticInput(
+            first.scale.to(device),
+            first.offset.to(device),
+            torch.cat([statics[n].bias for n in names]).to(device),
+            torch.cat([statics[n].deq_scale for n in names]).to(device),
+        )
+        if static.bias.shape[0] != w.shape[0]:
+            raise ValueError(f"{owner}: a W8A8 static weight has no calibrated input")
+        out[owner] = attrs.evolve(w, static=static, forms={})
 
 
 def _in_features(parts: tuple, scheme: str) -> int:
@@ -237,7 +289,11 @@ def weight_bytes(weights: dict[str, Any]) -> int:
     return sum(w.nbytes for w in checkpoint_tensors(weights).values())
 
 
-ACTIVATION_LABELS = {"block": " + int8 activations", "token": " + int8 activations per token"}
+ACTIVATION_LABELS = {
+    "block": " + int8 activations",
+    "token": " + int8 activations per token",
+    "static": " + int8 activations, static",
+}
 
 
 def weights_label(weights: dict, activations: str | None = None) -> str:

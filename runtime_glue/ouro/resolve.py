@@ -110,7 +110,9 @@ def resolve(
         scheme = named.scheme
         allowed = kernel_activations(activations)
         if named.scheme != "bf16" and named.activations not in allowed:
-            mode = {"int8": "block", "int8-token": "token"}.get(named.activations)
+            mode = {"int8": "block", "int8-token": "token", "int8-static": "static"}.get(
+                named.activations
+            )
             raise ValueError(
                 f"--linear {linear} "
                 + (f"quantizes its activations ({named.description}): add "
