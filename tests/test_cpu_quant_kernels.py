@@ -10,7 +10,7 @@ import torch
 
 from drivers.cpu import quant_kernels
 from drivers.cpu.driver import create
-from hal.kernels import check_rows
+from hal.kernels import KernelUnavailable, check_rows
 from hal.quant import (
     GROUP_SIZES,
     QuantizedWeight,
@@ -299,3 +299,28 @@ def test_the_w4a8_kernel_rejects_a_weight_not_in_its_octet_layout():
     for args in ((w4.qweight, w4.scale, 16, 32), (w8, s8, 24, 32), (w8, s8, 16, 64)):
         with pytest.raises(ValueError, match="do not match int4_octets' layout"):
             quant_kernels.linear_int4_a8_avx2(x, *args)
+
+
+@pytest.mark.parametrize(
+    "scheme,group", [("int8", None), ("int8g", 64), ("int4", 32), ("int4", 128)]
+)
+def test_the_vnni_kernels_give_the_avx2_kernels_bits(scheme, group):
+    """vpdpbusd sums the same four products into each int32 lane as vpmaddubsw + vpmaddwd:
+    every output bit equal, at decode and prefill row counts, with -128 in an int8 weight."""
+    try:
+        quant_kernels.vnni_available()
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    kernels = {k.name: k for k in quant_kernels.KERNELS}
+    gen = torch.Generator().manual_seed(9)
+    names = {"int8": ("int8-a8", "int8-token"), "int8g": ("int8g-a8",), "int4": ("int4-a8",)}
+    lo = -8 if scheme == "int4" else -128
+    for name in names[scheme]:
+        for m, n, k in ((1, 96, 256), (5, 40, 384), (33, 24, 256)):
+            q = torch.randint(lo, -lo, (n, k), generator=gen)
+            scale = torch.rand(n, k // group if group else 1, generator=gen) / 64
+            w = from_integers(q, scale if group else scale[:, 0], scheme, group)
+            x = (torch.randn(m, k, generator=gen) * 3).bfloat16()
+            a = kernels[f"{name}-avx2"].fn(x, w)
+            b = kernels[f"{name}-vnni"].fn(x, w)
+            assert torch.equal(a, b), f"{name} {m}x{k} @ {k}x{n}"

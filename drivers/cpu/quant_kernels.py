@@ -21,6 +21,10 @@ built with the driver's other kernels (``drivers.cpu.kernels``: one library, one
 - ``linear_int8_token_avx2``: int8 weights per channel with each row of x quantized with one
   scale, vllm-ascend's W8A8 dynamic ("int8-token-avx2", ``Kernel.activations`` "int8-token"):
   the integer sums exact, so its bits are ``hal.quant.token_linear``'s.
+- The four W8A8 / W4A8 kernels again with AVX512-VNNI dot products (``csrc/linear_a8_vnni.c``:
+  the same source with vpdpbusd, 256-bit): "int8-a8-vnni", "int8-token-vnni", "int8g-a8-vnni"
+  and "int4-a8-vnni", offered where the CPU has avx512_vnni; the same int32 lanes, so the
+  same bits as their avx2 forms (the plan times both and picks).
 """
 
 from __future__ import annotations
@@ -175,8 +179,7 @@ def int4_octets(w: QuantizedWeight) -> tuple[Tensor, Tensor]:
     return w8, s8
 
 
-def _int4_a8(x: Tensor, w8: Tensor, s8: Tensor, n: int, group: int) -> Tensor:
-    name = "linear_int4_a8_avx2"
+def _int4_a8(name: str, x: Tensor, w8: Tensor, s8: Tensor, n: int, group: int) -> Tensor:
     _quant_operands(name, x, w8, torch.uint8, s8)
     octets, blocks, *form = w8.shape
     k = blocks * 32
@@ -195,13 +198,22 @@ def _int4_a8(x: Tensor, w8: Tensor, s8: Tensor, n: int, group: int) -> Tensor:
     return _quant_linear(name, x, w8, s8, n, k, group)
 
 
-_int4_a8.__doc__ = (
-    "W4A8: ``linear_int4_avx2`` with x quantized per block of 32 "
-    "(``hal.quant.quantize_activations``), int8 dot products, on ``int4_octets``' layout."
-)
-linear_int4_a8_avx2 = custom_op(
-    "rlt_cpu::linear_int4_a8_avx2", lambda x, w8, s8, n, group: x.new_empty(*x.shape[:-1], n)
-)(_int4_a8)
+def _int4_a8_op(name: str):
+    """``rlt_cpu::NAME(x, w8, s8, n, group)``: W4A8 on ``int4_octets``' layout."""
+
+    def op(x: Tensor, w8: Tensor, s8: Tensor, n: int, group: int) -> Tensor:
+        return _int4_a8(name, x, w8, s8, n, group)
+
+    op.__doc__ = (
+        "W4A8: ``linear_int4_avx2`` with x quantized per block of 32 "
+        "(``hal.quant.quantize_activations``), int8 dot products, on ``int4_octets``' layout."
+    )
+    return custom_op(f"rlt_cpu::{name}", lambda x, w8, s8, n, group: x.new_empty(*x.shape[:-1], n))(
+        op
+    )
+
+
+linear_int4_a8_avx2 = _int4_a8_op("linear_int4_a8_avx2")
 TOKEN_MAX_K = 132103  # int32 sums of 127 * 128 products stay exact below this K
 linear_int8_token_avx2 = _int8_a8_op(
     "linear_int8_token_avx2",
@@ -213,6 +225,46 @@ linear_int8g_a8_avx2 = _int8g_a8_op(
     "W8A8: ``linear_int8g_avx2`` with x quantized per block of 32 "
     "(``hal.quant.quantize_activations``), int8 dot products; ``full``: qweight may hold -128.",
 )
+
+
+# The same four with AVX512-VNNI dot products (csrc/linear_a8_vnni.c): the same bits.
+VNNI = {
+    "int8": _int8_a8_op("linear_int8_a8_vnni", "``linear_int8_a8_avx2`` with vpdpbusd."),
+    "int8-token": _int8_a8_op(
+        "linear_int8_token_vnni", "``linear_int8_token_avx2`` with vpdpbusd."
+    ),
+    "int8g": _int8g_a8_op("linear_int8g_a8_vnni", "``linear_int8g_a8_avx2`` with vpdpbusd."),
+    "int4": _int4_a8_op("linear_int4_a8_vnni"),
+}
+
+
+def vnni_available() -> None:
+    """Raise KernelUnavailable unless this CPU has AVX512-VNNI (and AVX512-VL, -BW)."""
+    _, lib = library()
+    if not lib.rlt_has_avx512vnni():
+        raise KernelUnavailable(
+            "the vnni kernels need a CPU with avx512_vnni and avx512vl (grep avx512_vnni "
+            "/proc/cpuinfo); the avx2 kernels compute the same bits"
+        )
+
+
+def int8_a8_vnni(x: Tensor, w: QuantizedWeight) -> Tensor:
+    return VNNI["int8"](x, w.qweight, w.scale, _holds_min(w))
+
+
+def int8_token_vnni(x: Tensor, w: QuantizedWeight) -> Tensor:
+    if w.in_features > TOKEN_MAX_K:
+        raise ValueError(f"int8-token-vnni sums in int32: K {w.in_features} > {TOKEN_MAX_K}")
+    return VNNI["int8-token"](x, w.qweight, w.scale, _holds_min(w))
+
+
+def int8g_a8_vnni(x: Tensor, w: QuantizedWeight) -> Tensor:
+    return VNNI["int8g"](x, w.qweight, w.scale, w.group_size, _holds_min(w))
+
+
+def int4_a8_vnni(x: Tensor, w: QuantizedWeight) -> Tensor:
+    w8, s8 = w.form("int4-octets", int4_octets)
+    return VNNI["int4"](x, w8, s8, w.shape[0], w.group_size)
 
 
 def int8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
@@ -312,11 +364,13 @@ def int4_torch(x: Tensor, w: QuantizedWeight) -> Tensor:
     return _rows_2d(call, x, w.in_features)
 
 
-def _own(name: str, fn, scheme: str, description: str, activations: str = "bf16") -> Kernel:
+def _own(
+    name: str, fn, scheme: str, description: str, activations: str = "bf16", check=_loaded
+) -> Kernel:
     """One of the driver's own C kernels: row- and column-invariant by construction."""
     return Kernel(
         "linear", name, fn, row_invariant=True, column_invariant=True, scheme=scheme,
-        activations=activations, check=_loaded, version=VERSION, description=description,
+        activations=activations, check=check, version=VERSION, description=description,
     )  # fmt: skip
 
 
@@ -367,6 +421,23 @@ KERNELS = (
         "csrc/linear_a8_avx2.c: W4A8 on rows repacked by eights, x quantized per 32, int8 dots",
         "int8",
     ),
+    *(
+        _own(
+            f"{name}-vnni",
+            fn,
+            scheme,
+            f"csrc/linear_a8_vnni.c: {name}-avx2 with AVX512-VNNI "
+            "dot products (vpdpbusd), the same bits",
+            activations,
+            vnni_available,
+        )
+        for name, fn, scheme, activations in (
+            ("int8-a8", int8_a8_vnni, "int8", "int8"),
+            ("int8-token", int8_token_vnni, "int8", "int8-token"),
+            ("int8g-a8", int8g_a8_vnni, "int8g", "int8"),
+            ("int4-a8", int4_a8_vnni, "int4", "int8"),
+        )
+    ),  # fmt: skip
     Kernel(
         "linear",
         "int8-torch",

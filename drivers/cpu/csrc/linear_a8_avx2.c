@@ -27,6 +27,15 @@
 #include "rlt_cpu.h"
 #include <math.h>
 
+/* The exported names: built as it is, rlt_*_avx2; included by linear_a8_vnni.c, rlt_*_vnni,
+ * whose integer dot products are vpdpbusd (AVX512-VNNI on 256-bit registers) where this file
+ * has vpmaddubsw then vpmaddwd: the same int32 lanes, so the same bits. */
+#ifdef RLT_A8_VNNI
+#define A8(name) name##_vnni
+#else
+#define A8(name) name##_avx2
+#endif
+
 #define QB 32        /* inputs per activation block */
 #define MB 4        /* input rows per register block */
 #define PREFETCH 512 /* bytes ahead of a weight row's read position */
@@ -94,8 +103,12 @@ static void quantize_row(const uint16_t *x, int K, int8_t *xq, float *d, int32_t
  * once for every weight row) -128 would turn into itself. Pair sums stay below 2^15 either
  * way. */
 INLINE __m256i dot32(__m256i a, __m256i b, __m256i sgn) {
+#ifdef RLT_A8_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, _mm256_sign_epi8(b, sgn));
+#else
     __m256i p = _mm256_maddubs_epi16(a, _mm256_sign_epi8(b, sgn));
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
 }
 
 /* Block b of input row j (at offset o of xq, xa) against the weight block wv (aw = |wv| when
@@ -245,7 +258,7 @@ INLINE void row8_token(const int8_t *xq, const int8_t *xa, const float *d, int l
     }
 }
 
-int rlt_linear_int8_token_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
+int A8(rlt_linear_int8_token)(const uint16_t *x, const int8_t *w, const uint16_t *scale,
                                uint16_t *y, int M, int N, int K, int full) {
     int ldq = (K + QB - 1) / QB * QB;
     int8_t *xq = malloc((size_t)M * ldq * 2);
@@ -290,12 +303,12 @@ int rlt_linear_int8_token_avx2(const uint16_t *x, const int8_t *w, const uint16_
     return 0;
 }
 
-int rlt_linear_int8_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
+int A8(rlt_linear_int8_a8)(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
                             int M, int N, int K, int full) {
     return linear_a8(x, w, scale, y, M, N, K, 0, full);
 }
 
-int rlt_linear_int8g_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
+int A8(rlt_linear_int8g_a8)(const uint16_t *x, const int8_t *w, const uint16_t *scale,
                              uint16_t *y, int M, int N, int K, int group, int full) {
     return linear_a8(x, w, scale, y, M, N, K, group, full);
 }
@@ -343,11 +356,21 @@ INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq
                 int32_t xl, xh; /* inputs 4v..4v+3 and 16+4v..16+4v+3, in every lane */
                 memcpy(&xl, xb + 4 * v, 4);
                 memcpy(&xh, xb + 16 + 4 * v, 4);
+#ifdef RLT_A8_VNNI /* int32 lanes throughout: the same exact sums */
+                a = _mm256_dpbusd_epi32(a, lo[v], _mm256_set1_epi32(xl));
+                a = _mm256_dpbusd_epi32(a, hi[v], _mm256_set1_epi32(xh));
+#else
                 a = _mm256_add_epi16(a, _mm256_add_epi16(
                     _mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(xl)),
                     _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(xh))));
+#endif
             }
+#ifdef RLT_A8_VNNI
+            __m256i h = a;
+            (void)ones;
+#else
             __m256i h = _mm256_madd_epi16(a, ones);
+#endif
             h = _mm256_sub_epi32(h, _mm256_set1_epi32(sx8[(size_t)j * ldd + b]));
             __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[(size_t)j * ldd + b]), s8);
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), c, acc[j]);
@@ -360,7 +383,7 @@ INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq
     }
 }
 
-int rlt_linear_int4_a8_avx2(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
+int A8(rlt_linear_int4_a8)(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
                              uint16_t *y, int M, int N, int K, int group) {
     int blocks = K / QB, ldq = K;
     int8_t *xq = malloc((size_t)M * ldq);

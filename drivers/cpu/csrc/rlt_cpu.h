@@ -45,6 +45,17 @@ int rlt_linear_int8g_a8_avx2(const uint16_t *x, const int8_t *w, const uint16_t 
  * y = bf16((float(acc) * scale[n]) * d[m]) (hal.quant.token_linear); K below 132104. */
 int rlt_linear_int8_token_avx2(const uint16_t *x, const int8_t *w, const uint16_t *scale,
                                uint16_t *y, int M, int N, int K, int full);
+/* The four W8A8 / W4A8 kernels above with AVX512-VNNI dot products (linear_a8_vnni.c): the
+ * same arguments, the same bits; only where rlt_has_avx512vnni(). */
+int rlt_has_avx512vnni(void);
+int rlt_linear_int8_a8_vnni(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y,
+                            int M, int N, int K, int full);
+int rlt_linear_int4_a8_vnni(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
+                             uint16_t *y, int M, int N, int K, int group);
+int rlt_linear_int8g_a8_vnni(const uint16_t *x, const int8_t *w, const uint16_t *scale,
+                             uint16_t *y, int M, int N, int K, int group, int full);
+int rlt_linear_int8_token_vnni(const uint16_t *x, const int8_t *w, const uint16_t *scale,
+                               uint16_t *y, int M, int N, int K, int full);
 
 /* Deterministic attention over one plane of the paged cache (see attention.c). */
 int rlt_paged_attention(const uint16_t *q, long q_row, long q_head, const uint16_t *k,
