@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 OPS = ("linear", "rms_norm", "silu_mul", "add_rms_norm", "rotary")
-WEIGHT_SCHEMES = ("bf16", "int8", "int8g", "int4")  # "bf16", then hal.quant.SCHEMES
+WEIGHT_SCHEMES = ("bf16", "int8", "int8g", "int4", "int8z")  # "bf16", then hal.quant.SCHEMES
 
 
 class KernelUnavailable(RuntimeError):

@@ -14,6 +14,13 @@ A projection weight ``w [N, K]`` (bf16) becomes a :class:`QuantizedWeight`:
   holds ``q + 8``: each 32 inputs of a row in 16 bytes, byte ``j`` holding input ``j`` in its
   low nibble and input ``j + 16`` in its high one (one 16-byte load gives 32 values in order).
   ``scale`` bf16 ``[N, K // group_size]``. Value ``q * scale``.
+- ``int8z``: asymmetric int8, one scale and one integer zero point ``z`` per ``group_size``
+  (32, 64 or 128) inputs of a channel, as msModelSlim's asymmetric W8A16 and compressed-tensors'
+  asymmetric 8-bit weights hold them: ``qweight`` int8 ``[N, K + K // group_size]``, each row
+  its ``q`` then its groups' ``z`` (so that a row slice carries its zero points), ``scale``
+  bf16 ``[N, K // group_size]``. Value ``(q - z) * scale`` (``q - z`` in [-255, 255], exact
+  in bf16: the value compressed-tensors decompresses, and ``npu_weight_quant_batchmatmul``'s
+  ``(w + antiquant_offset) * antiquant_scale`` with ``antiquant_offset = -z``).
 
 Every driver's quantized ``linear`` kernel (``hal.kernels.Kernel`` with ``scheme`` "int8" or
 "int4") is called ``fn(x [..., K] bf16, w: QuantizedWeight) -> [..., N] bf16``. A kernel that
@@ -39,8 +46,8 @@ import torch.nn.functional as F
 
 from hal.kernels import Kernel, _big_columns, adversarial_rows
 
-SCHEMES = ("int8", "int8g", "int4")
-GROUPED = ("int8g", "int4")  # one scale per group_size inputs
+SCHEMES = ("int8", "int8g", "int4", "int8z")
+GROUPED = ("int8g", "int4", "int8z")  # one scale per group_size inputs
 GROUP_SIZES = (32, 64, 128)
 INT4_CHUNK = 32  # inputs per 16 packed bytes
 
@@ -136,13 +143,23 @@ class QuantizedWeight:
         return self.forms[key]
 
     def integers(self) -> torch.Tensor:
-        """The quantized values ``q`` as int8 ``[N, K]``."""
+        """The quantized values ``q`` as int8 ``[N, K]`` (int8z: ``q - z``, int16)."""
+        if self.scheme == "int8z":
+            k, g = self.in_features, self.group_size
+            z = self.zero_points().to(torch.int16).repeat_interleave(g, dim=1)
+            return self.qweight[:, :k].to(torch.int16) - z
         if self.scheme != "int4":
             return self.qweight
         n = self.qweight.shape[0]
         packed = self.qweight.view(n, -1, INT4_CHUNK // 2)
         q = torch.stack((packed & 15, packed >> 4), dim=2)  # [N, K/32, 2, 16]
         return (q.view(n, self.in_features).to(torch.int8) - 8).to(torch.int8)
+
+    def zero_points(self) -> torch.Tensor:
+        """int8z: each group's zero point ``z``, int8 ``[N, K // group_size]`` (a view)."""
+        if self.scheme != "int8z":
+            raise ValueError(f"{self.scheme} weights have no zero points")
+        return self.qweight[:, self.in_features :]
 
     def scales(self) -> torch.Tensor:
         """One fp32 scale per weight element ``[N, K]`` (a view where it can be)."""
@@ -173,8 +190,10 @@ def layout(scheme: str, n: int, k: int, group_size: int | None) -> tuple[tuple, 
     and its scales (the module docstring's layout)."""
     if scheme == "int8":
         return ((n, k), torch.int8), ((n,), torch.bfloat16)
-    assert group_size is not None  # int8g and int4 have one
+    assert group_size is not None  # int8g, int4 and int8z have one
     packed = ((n, k // 2), torch.uint8) if scheme == "int4" else ((n, k), torch.int8)
+    if scheme == "int8z":  # each row's zero points after its values
+        packed = ((n, k + k // group_size), torch.int8)
     return packed, ((n, k // group_size), torch.bfloat16)
 
 
@@ -182,6 +201,21 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> Qua
     """``w [N, K]`` (bf16) in ``scheme``, on ``w``'s device, computed in fp32."""
     check_scheme(scheme, group_size)
     n, k = w.shape
+    if scheme == "int8z":
+        assert group_size is not None
+        if k % group_size:
+            raise ValueError(
+                f"int8z with group size {group_size} needs the input width {k} to be a multiple"
+            )
+        wg = w.float().view(n, k // group_size, group_size)
+        lo, hi = wg.amin(dim=2).clamp(max=0), wg.amax(dim=2).clamp(min=0)
+        scale = ((hi - lo) / 255).bfloat16()
+        up = torch.nextafter(scale, torch.full_like(scale, float("inf")))
+        scale = torch.where(scale.float() * 255 < hi - lo, up, scale)  # the range covered
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        z = torch.round(-128 - lo / scale.float()).clamp_(-128, 127)
+        q = (torch.round(wg / scale.float()[..., None]) + z[..., None]).clamp_(-128, 127)
+        return from_integers(q.view(n, k), scale, "int8z", group_size, zero=z)
     if scheme != "int4":
         size = k if scheme == "int8" else group_size
         assert size is not None  # check_scheme: int8g has one
@@ -209,14 +243,21 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> Qua
 
 
 def from_integers(
-    q: torch.Tensor, scale: torch.Tensor, scheme: str, group_size: int | None = None
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    scheme: str,
+    group_size: int | None = None,
+    zero: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """A weight with the given values ``q`` (``[N, K]``, integers in the scheme's range:
-    [-128, 127] or [-8, 7]) and scales, packed in the canonical layout."""
+    [-128, 127] or [-8, 7]) and scales (int8z: and zero points ``zero`` ``[N, K //
+    group_size]`` in [-128, 127], zeros if None), packed in the canonical layout."""
     n, k = q.shape
     lo, hi = (-8, 7) if scheme == "int4" else (-128, 127)
     if q.numel() and not (lo <= int(q.min()) and int(q.max()) <= hi):
         raise ValueError(f"{scheme} values must lie in [{lo}, {hi}] (kernels rely on it)")
+    if zero is not None and scheme != "int8z":
+        raise ValueError(f"{scheme} weights take no zero points (int8z does)")
     if scheme == "int8":
         return QuantizedWeight("int8", q.to(torch.int8).contiguous(), scale.bfloat16(), k, k)
     check_scheme(scheme, group_size)
@@ -228,6 +269,17 @@ def from_integers(
     if scheme == "int8g":
         qs = q.to(torch.int8).contiguous()
         return QuantizedWeight("int8g", qs, scale.bfloat16().contiguous(), group_size, k)
+    if scheme == "int8z":
+        z = torch.zeros(n, k // group_size) if zero is None else zero
+        if tuple(z.shape) != (n, k // group_size) or (
+            z.numel() and not (int(z.min()) >= -128 and int(z.max()) <= 127)
+        ):
+            raise ValueError(
+                f"int8z zero points must be [{n}, {k // group_size}] in [-128, 127], got "
+                f"{list(z.shape)}"
+            )
+        qs = torch.cat((q.to(torch.int8), z.to(torch.int8)), dim=1).contiguous()
+        return QuantizedWeight("int8z", qs, scale.bfloat16().contiguous(), group_size, k)
     u = (q.to(torch.int16) + 8).to(torch.uint8).view(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
     # byte j of each 16: input j in the low nibble, input j + 16 in the high one
     packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
@@ -373,6 +425,8 @@ def describe(scheme: str | None, group_size: int | None) -> str:
         return "bf16"
     if scheme == "int8g":
         return f"int8 (group {group_size})"
+    if scheme == "int8z":
+        return f"int8 asymmetric (group {group_size})"
     return f"int4 (group {group_size})" if scheme == "int4" else scheme
 
 

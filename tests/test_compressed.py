@@ -65,6 +65,7 @@ def test_packing_is_compressed_tensors_word_layout():
         ("w4a16", 128, True),
         ("w4a16", 64, False),
         ("w8a8-dynamic", 128, False),
+        ("w8a16-asym", 32, False),
     ],
 )
 def test_a_written_checkpoint_loads_as_the_same_quantization_at_load_time(
@@ -149,8 +150,8 @@ def w4(wide_ckpt, tmp_path_factory):
         (lambda qc: _group(qc).update(format="float-quantized"), "format 'float-quantized'"),
         (lambda qc: _group(qc)["weights"].update(type="float", num_bits=8), "float weights of 8"),
         (
-            lambda qc: _group(qc)["weights"].update(symmetric=False, num_bits=8),
-            "asymmetric 8-bit weights (zero points, config group 'group_0') are not supported",
+            lambda qc: _group(qc)["weights"].update(symmetric=False, strategy="tensor"),
+            "strategy 'tensor'",
         ),
         (lambda qc: _group(qc)["weights"].update(actorder="group"), "activation ordering"),
         (lambda qc: _group(qc)["weights"].update(strategy="tensor"), "strategy 'tensor'"),
@@ -300,23 +301,27 @@ def test_the_start_up_line_says_the_checkpoint_was_quantized_elsewhere(w4, capsy
     )
 
 
-def _zero_points(state, gen, packed=True):
-    """Random zero points in [-8, 7] for every projection, as compressed-tensors stores them
-    (pack-quantized: packed along the output channels)."""
+def _zero_points(state, gen, packed=True, bits=4):
+    """Random zero points over the whole range of ``bits`` for every projection, as
+    compressed-tensors stores them (pack-quantized: packed along the output channels)."""
+    half = 1 << (bits - 1)
     for name in [n for n in state if n.endswith("_proj.weight_scale")]:
-        z = torch.randint(-8, 8, state[name].shape, generator=gen, dtype=torch.int8)
+        z = torch.randint(-half, half, state[name].shape, generator=gen, dtype=torch.int8)
         zp = name.replace("weight_scale", "weight_zero_point")
-        state[zp] = pack(z.t(), 4).t().contiguous() if packed else z
+        state[zp] = pack(z.t(), bits).t().contiguous() if packed else z
 
 
-@pytest.mark.parametrize("strategy", ["group", "channel"])
-def test_asymmetric_int4_runs_the_values_compressed_tensors_decompresses(
-    wide_ckpt, tmp_path, strategy
+@pytest.mark.parametrize(
+    "bits,strategy", [(4, "group"), (4, "channel"), (8, "group"), (8, "channel")]
+)
+def test_asymmetric_weights_run_the_values_compressed_tensors_decompresses(
+    wide_ckpt, tmp_path, bits, strategy
 ):
-    """W4A16_ASYM: value (q - z) * scale, computed as compressed-tensors' dequantize does (in
-    the scale's dtype, bf16), runs as int8 per group or channel holding q - z; in HF-exact mode
-    it generates what a bf16 checkpoint of those values does."""
-    w4 = quantized(wide_ckpt, tmp_path / "g32", "w4a16", 32)
+    """W4A16_ASYM (and 8-bit asymmetric): value (q - z) * scale, computed as
+    compressed-tensors' dequantize does (in the scale's dtype, bf16). 4 bits run as int8 per
+    group or channel holding q - z, 8 bits as int8z keeping z; in HF-exact mode they generate
+    what a bf16 checkpoint of those values does."""
+    w4 = quantized(wide_ckpt, tmp_path / "g32", f"w{bits}a16", 32)
     gen = torch.Generator().manual_seed(3)
 
     def asymmetric(qc):
@@ -328,14 +333,14 @@ def test_asymmetric_int4_runs_the_values_compressed_tensors_decompresses(
         if strategy == "channel":
             for name in [n for n in state if n.endswith("_proj.weight_scale")]:
                 state[name] = state[name][:, :1].contiguous()
-        _zero_points(state, gen)
+        _zero_points(state, gen, bits=bits)
 
     asym = _edit(w4, tmp_path / "asym", config=asymmetric, tensors=tensors)
     hf = dict(block_size=16, num_blocks=16, mode="hf-exact")
     llm = LLM(asym, **hf)
     per = "group 32" if strategy == "group" else "channel"
     assert llm.stored_quantization.describe() == (
-        f"compressed-tensors W4A16 (pack-quantized, {per}, asymmetric)"
+        f"compressed-tensors W{bits}A16 (pack-quantized, {per}, asymmetric)"
     )
     stored = load_file(str(asym / "model.safetensors"))
     dense = {}
@@ -346,13 +351,14 @@ def test_asymmetric_int4_runs_the_values_compressed_tensors_decompresses(
         module = name[: -len(".weight")]
         scale = stored[module + ".weight_scale"]
         n, k = w.shape
-        q = unpack(stored[module + ".weight_packed"], 4, k)
-        z = unpack(stored[module + ".weight_zero_point"].t().contiguous(), 4, n).t()
+        q = unpack(stored[module + ".weight_packed"], bits, k)
+        z = unpack(stored[module + ".weight_zero_point"].t().contiguous(), bits, n).t()
         g = k // scale.shape[1]
         value = (q.bfloat16() - z.bfloat16().repeat_interleave(g, 1)) * scale.repeat_interleave(
             g, 1
         )
-        assert w.scheme == ("int8g" if strategy == "group" else "int8"), name
+        want = "int8z" if bits == 8 else "int8g" if strategy == "group" else "int8"
+        assert w.scheme == want, name
         assert torch.equal(w.dequantize(), value), name
         dense[name] = value
     assert len(dense) == len(checkpoint_tensors(llm.weights))

@@ -167,7 +167,20 @@ def _weights_equal(llm: LLM, dense: Path) -> None:
     assert quantized
 
 
-@pytest.mark.parametrize("scheme", ["W8A16", "W4A16", "W4A16_ASYM"])
+# An asymmetric 8-bit scheme (no preset names one): int8 per group of 128 with zero points.
+W8A16_ASYM = {
+    "targets": ["Linear"],
+    "weights": {
+        "num_bits": 8,
+        "type": "int",
+        "symmetric": False,
+        "strategy": "group",
+        "group_size": 128,
+    },
+}
+
+
+@pytest.mark.parametrize("scheme", ["W8A16", "W4A16", "W4A16_ASYM", "W8A16_ASYM"])
 def test_llm_compressor_oneshot_checkpoint_runs_its_decompressed_weights(ouro, tmp_path, scheme):
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -175,23 +188,26 @@ def test_llm_compressor_oneshot_checkpoint_runs_its_decompressed_weights(ouro, t
     model = AutoModelForCausalLM.from_pretrained(ouro, dtype=torch.bfloat16)
     assert isinstance(model, OuroShell)
     out = tmp_path / scheme
-    oneshot(
-        model=model,
-        recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]),
-        output_dir=str(out),
-    )
+    if scheme == "W8A16_ASYM":
+        modifier = QuantizationModifier(config_groups={"group_0": W8A16_ASYM}, ignore=["lm_head"])
+    else:
+        modifier = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    oneshot(model=model, recipe=modifier, output_dir=str(out))
     _with_tokenizer(ouro, out)
     llm = LLM(out, **ENGINE)
     stored = llm.stored_quantization
     assert stored is not None and stored.bits == int(scheme[1])
-    assert stored.zero_points == scheme.endswith("_ASYM")  # run as int8g holding q - z
+    assert stored.zero_points == scheme.endswith("_ASYM")  # 4 bits: int8g holding q - z
+    assert (stored.scheme == "int8z") == (scheme == "W8A16_ASYM")  # 8 bits: keeping z
     assert stored.gate  # oneshot quantized the exit gate too: rlt-hal runs it dequantized
     dense = _decompressed(out, tmp_path / "dense")
     _weights_equal(llm, dense)
     _same_run(llm, LLM(dense, **ENGINE))
 
 
-@pytest.mark.parametrize("scheme,group", [("w8a16", 128), ("w4a16", 32), ("w4a16", 128)])
+@pytest.mark.parametrize(
+    "scheme,group", [("w8a16", 128), ("w4a16", 32), ("w4a16", 128), ("w8a16-asym", 64)]
+)
 def test_what_rlt_hal_quantize_writes_decompresses_to_the_weights_rlt_hal_runs(
     ouro, tmp_path, scheme, group
 ):

@@ -251,7 +251,10 @@ def test_the_cpu_driver_offers_them_with_their_claims():
     for k in (int8["int8-torch"], int4["int4-torch"]):
         assert not (k.row_invariant or k.column_invariant or k.hf_exact)
     assert "int8-avx2" not in {k.name for k in driver.kernels_for("linear")}  # bf16 only
-    assert set(driver.quantization_schemes) == {"int8", "int8g", "int4"}
+    int8z = {k.name: k for k in driver.kernels_for("linear", "int8z")}
+    assert {"int8z-dequant", "int8z-avx2"} <= set(int8z)
+    assert int8z["int8z-avx2"].row_invariant and int8z["int8z-avx2"].column_invariant
+    assert set(driver.quantization_schemes) == {"int8", "int8g", "int4", "int8z"}
 
 
 def test_the_kernels_are_torch_custom_ops_with_fake_implementations():

@@ -33,6 +33,7 @@ KINDS = {
     "w8a8-dynamic": (dict(quantization="int8", quantize_activations="token"), "W8A8_DYNAMIC"),
     "w8a16-channel": (dict(quantization="int8"), "W8A16"),
     "w8a16": (dict(quantization="int8g", quantization_group_size=32), "W8A16"),
+    "w8a16-asym": (dict(quantization="int8z", quantization_group_size=32), "W8A16"),
 }
 
 
@@ -78,12 +79,13 @@ def test_the_layout_is_msmodelslims_and_loads_as_the_same_quantization_at_load_t
     assert description["model_quant_type"] == kind and set(description) >= set(state)
     q = "model.layers.0.self_attn.q_proj"
     assert state[q + ".weight"].dtype == torch.int8 and state[q + ".weight"].shape == (128, 128)
-    scales = 128 // 32 if scheme == "w8a16" else 1
+    grouped = scheme in ("w8a16", "w8a16-asym")
+    scales = 128 // 32 if grouped else 1
     assert state[q + ".weight_scale"].dtype == torch.float32
     assert state[q + ".weight_scale"].shape == state[q + ".weight_offset"].shape == (128, scales)
-    assert not state[q + ".weight_offset"].any()
+    assert bool(state[q + ".weight_offset"].any()) == (scheme == "w8a16-asym")  # -z
     assert description[q + ".weight"] == kind and description["lm_head.weight"] == "FLOAT"
-    assert description["group_size"] == (32 if scheme == "w8a16" else 0)
+    assert description["group_size"] == (32 if grouped else 0)
 
     at_load = LLM(wide_ckpt, **ENGINE, **asked)
     stored = LLM(dst, **ENGINE)
@@ -213,7 +215,7 @@ def _missing(state):
 @pytest.mark.parametrize(
     "tensors,names,words",
     [
-        (_offset, "model.layers.0.mlp.up_proj.weight_offset", "asymmetric weights"),
+        (_offset, "model.layers.0.mlp.up_proj.weight_offset", "W8A8_DYNAMIC weights are symm"),
         (_scale_rows, "model.layers.1.mlp.down_proj.weight_scale", "has shape"),
         (_weight_dtype, "model.layers.0.self_attn.k_proj.weight", "dtype I16"),
         (_missing, "model.layers.1.self_attn.o_proj.weight_offset", "missing tensor"),
@@ -247,6 +249,30 @@ def test_quantize_refuses_what_the_msmodelslim_layout_does_not_hold(wide_ckpt, t
     assert "use --format compressed-tensors for --scheme w4a16" in capsys.readouterr().err
     assert cli([*base, "--scheme", "w8a16", "--lm-head"]) == 2
     assert "lm_head in bf16" in capsys.readouterr().err
+
+
+def test_asymmetric_w8a16_runs_on_the_emulated_npu_with_antiquant_offset(wide_ckpt, tmp_path):
+    """(q + weight_offset) * scale on the npu driver: npu_weight_quant_batchmatmul with
+    antiquant_offset (EMULATED torch_npu, a test double), the tokens and logits of the same
+    int8z quantization at load time there; a fractional offset is named."""
+    dst = written(wide_ckpt, tmp_path / "q", "w8a16-asym")
+    npu = dict(device="npu", block_size=16, num_blocks=16, mode="fast", linear="int8z-npu")
+    stored, at_load = LLM(dst, **npu), LLM(wide_ckpt, **npu, **KINDS["w8a16-asym"][0])
+    assert stored.stored_quantization.describe() == "msModelSlim W8A16 (group 32, asymmetric)"
+    assert stored.plan.choice("generated", "down_proj").kernel == "int8z-npu"
+    _same_weights(stored.weights, at_load.weights)
+    prompts = [prompt_of(9, seed=1), prompt_of(5, seed=2)]
+    got = stored.generate(prompts, GREEDY, return_logits=True)
+    want = at_load.generate(prompts, GREEDY, return_logits=True)
+    for x, y in zip(got, want, strict=True):
+        assert list(x.token_ids) == list(y.token_ids) and torch.equal(x.logits, y.logits)
+    name = "model.layers.1.mlp.gate_proj.weight_offset"
+
+    def fractional(state):
+        state[name] = state[name] + 0.5
+
+    with pytest.raises(ValueError, match=f"{name}.*not integers"):
+        LLM(_edit(dst, tmp_path / "bad", tensors=fractional), **ENGINE)
 
 
 # -- W8A8 static ------------------------------------------------------------------------------

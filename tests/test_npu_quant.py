@@ -330,11 +330,11 @@ def test_each_call_is_one_device_op_and_the_layout_is_derived_once(emulated_npu)
 
 
 def test_the_kernels_claim_nothing_and_only_the_plans_own_checks_admit_them(emulated_npu):
-    for scheme in ("int8", "int8g", "int4"):
+    for scheme in ("int8", "int8g", "int4", "int8z"):
         kernel = emulated_npu.kernel("linear", f"{scheme}-npu")
         assert kernel.scheme == scheme and not kernel.fast_only and kernel.available() is None
         assert not (kernel.hf_exact or kernel.row_invariant or kernel.column_invariant)
-    assert emulated_npu.quantization_schemes == ("int8", "int8g", "int4")
+    assert emulated_npu.quantization_schemes == ("int8", "int8g", "int4", "int8z")
     assert all(k.scheme == "bf16" for k in emulated_npu.kernels_for("linear"))
 
 

@@ -42,6 +42,7 @@ SCHEMES = {
     "int8": dict(quantization="int8"),
     "int8g-g32": dict(quantization="int8g", quantization_group_size=32),
     "int4-g32": dict(quantization="int4"),
+    "int8z-g32": dict(quantization="int8z", quantization_group_size=32),
 }
 # The guarantees' schemes: the weight-only ones, and int8 with its activations quantized per
 # token (W8A8 dynamic, what an msModelSlim W8A8_DYNAMIC checkpoint runs).
@@ -82,6 +83,31 @@ def test_quantize_keeps_weights_within_half_a_step_and_uses_the_whole_range(sche
         assert (groups.min(dim=2).values == -8).all()
     rows = qw.rows(8, 20)
     assert torch.equal(rows.dequantize(), qw.dequantize()[8:20])
+
+
+def test_asymmetric_int8_keeps_its_zero_points_beside_each_row_and_within_half_a_step():
+    """int8z: (q - z) * scale, each group's [min, max] over the 256 levels; a row slice (a
+    stacked member) carries its zero points."""
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(24, 256, generator=gen) + torch.rand(24, 1, generator=gen) * 4).bfloat16()
+    qw = quantize(w, "int8z", 64)
+    assert qw.qweight.shape == (24, 256 + 4) and qw.zero_points().shape == (24, 4)
+    q = qw.qweight[:, :256].to(torch.int16)
+    z = qw.zero_points().to(torch.int16).repeat_interleave(64, dim=1)
+    assert torch.equal(qw.integers(), q - z)
+    assert (q - z).abs().max() > 127  # beyond int8: what int8g could not hold
+    err = (w.double() - qw.dequantize(torch.float64)).abs()
+    step = qw.scales().double()
+    clamped = (q == -128) | (q == 127)
+    assert (err[~clamped] <= step[~clamped] / 2 + 1e-12).all()
+    assert (err[clamped] <= step[clamped] + 1e-12).all()
+    rows = qw.rows(5, 17)
+    assert torch.equal(rows.zero_points(), qw.zero_points()[5:17])
+    assert torch.equal(rows.dequantize(), qw.dequantize()[5:17])
+    with pytest.raises(ValueError, match="zero points must be"):
+        from_integers(q, qw.scale, "int8z", 64, zero=torch.full((24, 4), 200))
+    with pytest.raises(ValueError, match="take no zero points"):
+        from_integers(q, qw.scale, "int8g", 64, zero=qw.zero_points())
 
 
 def test_quantized_projections_take_their_bytes_and_the_kept_tensors_their_own_memory(tiny_ckpt):
@@ -238,7 +264,9 @@ def test_a_scheme_the_driver_does_not_run_is_refused_before_the_weights_load(
         LLM(tiny_ckpt, device="bare", registry=registry, quantization="int4")
     msg = str(err.value)
     assert "\n" not in msg
-    assert "driver 'bare' offers no int4 linear kernel" in msg and "runs: int8, int8g)" in msg
+    assert (
+        "driver 'bare' offers no int4 linear kernel" in msg and "runs: int8, int8g, int8z)" in msg
+    )
 
 
 @pytest.mark.parametrize(

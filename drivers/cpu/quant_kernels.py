@@ -25,6 +25,9 @@ built with the driver's other kernels (``drivers.cpu.kernels``: one library, one
   the same source with vpdpbusd, 256-bit): "int8-a8-vnni", "int8-token-vnni", "int8g-a8-vnni"
   and "int4-a8-vnni", offered where the CPU has avx512_vnni; the same int32 lanes, so the
   same bits as their avx2 forms (the plan times both and picks).
+- "int8z-avx2": asymmetric int8 (``hal.quant``'s int8z) dequantized for each call, then the
+  bf16 ``linear_avx2``: row- and column-invariant, so deterministic mode runs such
+  checkpoints; no kernel reads the zero points in place yet.
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drivers.cpu.kernels import VERSION, _bf16_cpu, _loaded, _ptr, custom_op, library
+from drivers.cpu.kernels import (
+    VERSION,
+    _bf16_cpu,
+    _loaded,
+    _ptr,
+    custom_op,
+    library,
+    linear_avx2,
+)
 from hal.kernels import Kernel, KernelUnavailable
 from hal.quant import GROUP_SIZES, QuantizedWeight
 
@@ -267,6 +278,12 @@ def int4_a8_vnni(x: Tensor, w: QuantizedWeight) -> Tensor:
     return VNNI["int4"](x, w8, s8, w.shape[0], w.group_size)
 
 
+def int8z_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
+    """int8z: the weight dequantized for the call (``(q - z) * scale``, exact, bf16), then the
+    bf16 ``linear_avx2`` (row- and column-invariant): correct and deterministic, not fast."""
+    return linear_avx2(x, w.dequantize())
+
+
 def int8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
     return linear_int8_avx2(x, w.qweight, w.scale)
 
@@ -420,6 +437,12 @@ KERNELS = (
         "int4",
         "csrc/linear_a8_avx2.c: W4A8 on rows repacked by eights, x quantized per 32, int8 dots",
         "int8",
+    ),
+    _own(
+        "int8z-avx2",
+        int8z_avx2,
+        "int8z",
+        "asymmetric int8 dequantized per call, then csrc/linear_avx2.c",
     ),
     *(
         _own(

@@ -23,9 +23,10 @@ the op with the weight in the layout vllm-ascend gives it, derived once per weig
   ``npu_quantize(x, 1 / input_scale, input_offset, torch.qint8, -1, False)`` then
   ``npu_quant_matmul(q, weight [K, N], deq_scale, bias=quant_bias, output_dtype=bf16)``.
 
-``hal.quant``'s schemes are symmetric, so no ``antiquant_offset`` is passed (vllm-ascend's
-wNa16 kernel passes None; its msModelSlim W8A16 passes the checkpoint's per-channel offset,
-which the op adds to the integer before scaling: ``(w + offset) * scale``).
+- int8z (asymmetric int8, ``int8z-npu``): int8g's call with ``antiquant_offset = -z`` in the
+  scale's shape, as vllm-ascend's msModelSlim W8A16 passes the checkpoint's ``weight_offset``
+  (the op adds it to the integer before scaling: ``(w + offset) * scale``). The symmetric
+  schemes pass no offset (vllm-ascend's wNa16 kernel passes None).
 
 Like the driver's fused kernels (``drivers.npu.fused``), these claim nothing: not HF-exact
 (the device sums in its own order), and neither row nor column invariance, which nothing
@@ -66,15 +67,22 @@ class NpuWeight:
     scale: torch.Tensor  # bf16 [N'] per channel, or [K / group, N']
     group_size: int  # antiquant_group_size: 0 per channel
     out_features: int  # N: the output's columns (N' - N padding columns dropped)
+    offset: torch.Tensor | None = None  # antiquant_offset (int8z: -z), the scale's shape
 
 
 def w8a16_form(w: QuantizedWeight) -> NpuWeight:
     """int8: the scale per channel; int8g: transposed to [K / group, N] (one group: per
-    channel, as int4's)."""
+    channel, as int4's); int8z: int8g's with ``antiquant_offset`` ``-z`` (bf16, exact) in the
+    scale's shape, as vllm-ascend passes an asymmetric W8A16 checkpoint's ``weight_offset``."""
     n, k = w.shape
+    weight = w.qweight[:, :k].t().contiguous()
+    offset = None
+    if w.scheme == "int8z":
+        offset = (-w.zero_points().to(torch.int16)).to(torch.bfloat16).t().contiguous()
     if w.scheme == "int8" or k // w.group_size == 1:
-        return NpuWeight(w.qweight.t().contiguous(), w.scale.reshape(n).contiguous(), 0, n)
-    return NpuWeight(w.qweight.t().contiguous(), w.scale.t().contiguous(), w.group_size, n)
+        per_channel = None if offset is None else offset.reshape(n).contiguous()
+        return NpuWeight(weight, w.scale.reshape(n).contiguous(), 0, n, per_channel)
+    return NpuWeight(weight, w.scale.t().contiguous(), w.group_size, n, offset)
 
 
 def w4a16_form(w: QuantizedWeight, pack) -> NpuWeight:
@@ -99,8 +107,9 @@ def kernels(device) -> tuple[Kernel, ...]:
         if rows.shape[0] == 0:  # the op refuses empty tensors
             return x.new_empty(*lead, form.out_features)
         out = ops("npu_weight_quant_batchmatmul")(
-            rows, form.weight, form.scale, antiquant_group_size=form.group_size
-        )
+            rows, form.weight, form.scale, antiquant_offset=form.offset,
+            antiquant_group_size=form.group_size,
+        )  # fmt: skip
         if out.shape[-1] != form.out_features:
             out = out[:, : form.out_features]
         return out.reshape(*lead, form.out_features)
@@ -179,6 +188,10 @@ def kernels(device) -> tuple[Kernel, ...]:
         Kernel("linear", "int8g-npu", int8_linear, scheme="int8g",
                check=ops.check("npu_weight_quant_batchmatmul"), version=VERSION,
                description="npu_weight_quant_batchmatmul, int8 [K, N], group-wise scale [K/g, N]"),
+        Kernel("linear", "int8z-npu", int8_linear, scheme="int8z",
+               check=ops.check("npu_weight_quant_batchmatmul"), version=VERSION,
+               description="npu_weight_quant_batchmatmul, int8 [K, N], group-wise scale and "
+                           "antiquant_offset -z [K/g, N]"),
         Kernel("linear", "int8-token-npu", int8_token_linear, scheme="int8",
                activations="int8-token", check=check_token, version=VERSION,
                description="W8A8 dynamic: npu_dynamic_quant per token, npu_quant_matmul with "

@@ -53,7 +53,10 @@ def _qweight(n: int, k: int, scheme: str, group: int | None, gen, dev):
     scale = torch.rand(n, groups, generator=gen) * 2.0 ** torch.randint(
         -9, -3, (n, groups), generator=gen
     )
-    w = from_integers(q, scale if group else scale[:, 0], scheme, group)
+    zero = None
+    if scheme == "int8z":  # zero points over the whole range: q - z spans [-255, 255]
+        zero = torch.randint(-128, 128, (n, groups), generator=gen)
+    w = from_integers(q, scale if group else scale[:, 0], scheme, group, zero=zero)
     return _on(w, dev)
 
 

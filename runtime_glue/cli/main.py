@@ -144,9 +144,15 @@ QUANTIZE_SCHEMES = {
     "w8a16-channel": "int8",
     "w4a16": "int4",
     "w8a8-dynamic": "int8",
+    "w8a16-asym": "int8z",
 }
 QUANTIZE_FORMATS = ("compressed-tensors", "msmodelslim")
-MSMODELSLIM_TYPES = {"w8a16": "W8A16", "w8a16-channel": "W8A16", "w8a8-dynamic": "W8A8_DYNAMIC"}
+MSMODELSLIM_TYPES = {
+    "w8a16": "W8A16",
+    "w8a16-channel": "W8A16",
+    "w8a16-asym": "W8A16",
+    "w8a8-dynamic": "W8A8_DYNAMIC",
+}
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -324,6 +330,7 @@ def _add_quantize(sub) -> None:
         choices=list(QUANTIZE_SCHEMES),
         help="w8a16: int8 weights, one scale per group (llm-compressor's W8A16); "
         "w8a16-channel: int8, one scale per output channel; w4a16: int4, one per group; "
+        "w8a16-asym: int8, a scale and a zero point per group (asymmetric, int8z); "
         "w8a8-dynamic: int8 per channel, run with the activations quantized per token "
         "(llm-compressor's W8A8, msModelSlim's W8A8_DYNAMIC)",
     )

@@ -185,13 +185,15 @@ class EngineArgs:
         None,
         "weight-only quantization made at load from the bf16 checkpoint: int8 (symmetric, one "
         "scale per output channel), int8g (int8, one scale per --quantization-group-size inputs, "
-        "as llm-compressor's W8A16) or int4 (symmetric, one scale per --quantization-group-size "
-        "inputs). The embedding, the exit gate and lm_head stay bf16 (see --quantize-lm-head). "
-        "A checkpoint quantized elsewhere (compressed-tensors) runs its own scheme",
-        choices=("int8", "int8g", "int4"),
+        "as llm-compressor's W8A16), int4 (symmetric, one scale per --quantization-group-size "
+        "inputs) or int8z (asymmetric int8, a scale and a zero point per "
+        "--quantization-group-size inputs, as msModelSlim's asymmetric W8A16). The embedding, "
+        "the exit gate and lm_head stay bf16 (see --quantize-lm-head). A checkpoint quantized "
+        "elsewhere (compressed-tensors, msModelSlim) runs its own scheme",
+        choices=("int8", "int8g", "int4", "int8z"),
     )
     quantization_group_size: int = cli_field(
-        32, "int4 and int8g: inputs per scale (32, 64 or 128)", choices=(32, 64, 128)
+        32, "int4, int8g and int8z: inputs per scale (32, 64 or 128)", choices=(32, 64, 128)
     )
     quantize_lm_head: bool = cli_field(
         False, "with --quantization, quantize lm_head too", action="store_true"

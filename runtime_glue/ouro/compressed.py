@@ -24,7 +24,8 @@ stays the same. Asymmetric 4-bit weights (llm-compressor's W4A16_ASYM: ``M.weigh
 ``z``, int8 ``[N, K / group]``; pack-quantized packs it along the output channels, int32
 ``[N / 8, K / group]``) have the value ``(q - z) * scale``: they run as int8 (per channel) or
 int8g (per group) holding ``q - z``, in [-15, 15], the same values at twice int4's bytes.
-Asymmetric 8-bit weights (``q - z`` spans 511 values) are refused. W8A8 (int8 weights per channel, activations int8 per token, dynamic,
+Asymmetric 8-bit weights (``q - z`` spans 511 values) run as ``hal.quant``'s int8z, which
+keeps ``q`` and ``z`` (a scale and a zero point per group; per channel: repeated per group). W8A8 (int8 weights per channel, activations int8 per token, dynamic,
 symmetric: llm-compressor's W8A8 preset) runs as ``--quantize-activations token``.
 Everything else is refused by name before a weight loads. An msModelSlim checkpoint (a
 ``quant_model_description.json`` beside it) is read by ``runtime_glue.ouro.msmodelslim``.
@@ -59,7 +60,7 @@ FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")  # int-: naive'
 BITS = (8, 4)
 WHAT_WORKS = (
     "rlt-hal loads compressed-tensors W8A16 and W4A16 checkpoints (int8 or int4, per channel "
-    "or per group; int4 also asymmetric) and W8A8 (int8 per channel, activations int8 per token), or "
+    "or per group, symmetric or asymmetric) and W8A8 (int8 per channel, activations int8 per token), or "
     "quantizes a bf16 checkpoint at load (--quantization int8|int8g|int4)"
 )
 
@@ -78,23 +79,24 @@ class CheckpointQuantization:
     gate: bool  # the exit gate is quantized (dequantized at load: it is bf16 in rlt-hal)
     method: str = METHOD  # "compressed-tensors" or "msModelSlim"
     activations: str | None = None  # "token": W8A8 dynamic (--quantize-activations token)
-    # Asymmetric 4-bit weights (compressed-tensors' weight_zero_point), run as int8 or int8g
-    # holding q - zero point.
+    # Asymmetric weights (compressed-tensors' weight_zero_point, msModelSlim's weight_offset):
+    # 4-bit ones run as int8 or int8g holding q - zero point, 8-bit ones as int8z.
     zero_points: bool = False
 
     @property
     def bits(self) -> int:
         """The checkpoint's bits per weight."""
-        return 4 if self.scheme == "int4" or self.zero_points else 8
+        narrow = self.scheme == "int4" or (self.zero_points and self.scheme != "int8z")
+        return 4 if narrow else 8
 
     def describe(self) -> str:
         """e.g. "compressed-tensors W4A16 (pack-quantized, group 128)", "msModelSlim
         W8A8_DYNAMIC (channel)"."""
         per = "channel" if self.stored_group is None else f"group {self.stored_group}"
-        if self.method != METHOD:
-            return f"{self.method} {self.format} ({per})"
-        acts = 8 if self.activations == "token" else 16
         asym = ", asymmetric" if self.zero_points else ""
+        if self.method != METHOD:
+            return f"{self.method} {self.format} ({per}{asym})"
+        acts = 8 if self.activations == "token" else 16
         return f"{METHOD} W{self.bits}A{acts} ({self.format}, {per}{asym})"
 
 
@@ -130,12 +132,6 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     if kind != "int" or bits not in BITS:
         raise refuse(f"{kind} weights of {bits} bits (config group {name!r}) are not supported")
     asymmetric = not w.get("symmetric", True)
-    if asymmetric and bits != 4:
-        raise refuse(
-            f"asymmetric {bits}-bit weights (zero points, config group {name!r}) are not "
-            f"supported: q - zero point spans {2 ** (bits + 1) - 1} values, more than int8 holds "
-            "(asymmetric 4-bit weights load)"
-        )
     if w.get("actorder") not in (None, "static"):
         raise refuse(
             f"activation ordering (actorder {w['actorder']!r}, config group {name!r}: its g_idx "
@@ -147,8 +143,17 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     kernels: int | None = None  # the kernels' group
     # Asymmetric 4-bit weights run as int8 (per channel or group) holding q - zero point,
     # in [-15, 15]: exactly the values compressed-tensors decompresses, at twice int4's bytes.
+    # Asymmetric 8-bit weights (q - z in [-255, 255]) run as int8z, which keeps z.
     wide = bits == 8 or asymmetric
-    if strategy == "channel":
+    if asymmetric and bits == 8:
+        stored = None if strategy == "channel" else int(w.get("group_size") or 0)
+        scheme, kernels = "int8z", kernel_group(stored, widths)
+        if strategy not in ("channel", "group"):
+            raise refuse(
+                f"{bits}-bit weights with strategy {strategy!r} (config group {name!r}) are "
+                "not supported"
+            )
+    elif strategy == "channel":
         stored, scheme = None, "int8" if wide else "int4"
         if scheme == "int4":
             kernels = kernel_group(None, widths)
@@ -293,7 +298,7 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _zero_points(entry: TensorEntry, cq: CheckpointQuantization, n: int) -> torch.Tensor:
-    """A module's zero points (int16 ``[N, K / group]``, repeated over each group's inputs):
+    """A module's zero points, int16 ``[N, K / stored group]`` (``[N, 1]`` per channel):
     ``weight_zero_point`` as stored (pack-quantized: packed along the output channels)."""
     z = read_tensor(entry)
     if cq.format == "pack-quantized":
@@ -303,8 +308,7 @@ def _zero_points(entry: TensorEntry, cq: CheckpointQuantization, n: int) -> torc
         raise CheckpointError(
             f"{entry.file}: tensor {entry.name!r} holds zero points outside [{lo}, {hi}]"
         )
-    z = z.to(torch.int16)
-    return z if cq.stored_group is None else z.repeat_interleave(cq.stored_group, dim=1)
+    return z.to(torch.int16)
 
 
 def load(
@@ -390,12 +394,20 @@ def _quantized_weight(
                 f"implies {[n, k]}"
             )
         q = unpack(read_tensor(entries[module + ".weight_packed"]), cq.bits, k)
+    z = None
     if cq.zero_points:
-        q = q.to(torch.int16) - _zero_points(entries[module + ".weight_zero_point"], cq, n)
+        z = _zero_points(entries[module + ".weight_zero_point"], cq, n)
+        if cq.scheme != "int8z":  # 4 bits: q - z, per channel or repeated over each group
+            q = q.to(torch.int16) - (z if cq.stored_group is None else z.repeat_interleave(
+                cq.stored_group, dim=1))  # fmt: skip
+            z = None
     scale = scale.bfloat16()
     if cq.scheme == "int8":
         return from_integers(q, scale[:, 0], "int8")
-    # Per channel or per a multiple of the kernels' group: each scale repeated.
-    assert cq.group_size is not None  # int8g and int4 have one
-    scale = scale.repeat_interleave(k // cq.group_size // scale.shape[1], dim=1)
-    return from_integers(q, scale, cq.scheme, cq.group_size)
+    # Per channel or per a multiple of the kernels' group: each scale (and zero) repeated.
+    assert cq.group_size is not None  # int8g, int4 and int8z have one
+    repeat = k // cq.group_size // scale.shape[1]
+    scale = scale.repeat_interleave(repeat, dim=1)
+    if z is not None:
+        z = z.repeat_interleave(repeat, dim=1)
+    return from_integers(q, scale, cq.scheme, cq.group_size, zero=z)

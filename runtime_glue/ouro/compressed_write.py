@@ -22,13 +22,14 @@ def quantization_config(
     scheme: str, group_size: int, lm_head: bool = False, activations: bool = False
 ) -> dict[str, Any]:
     """config.json's ``quantization_config`` for weights quantized by ``hal.quant`` (int8: one
-    scale per channel; int8g, int4: per group), as llm-compressor writes it for W8A16 /
+    scale per channel; int8g, int4: per group; int8z: per group, asymmetric), as llm-compressor
+    writes it for W8A16 /
     W4A16; ``activations``: int8 per channel with the activations quantized per token, as it
     writes W8A8 ("int-quantized")."""
     weights: dict[str, Any] = {
         "num_bits": 4 if scheme == "int4" else 8,
         "type": "int",
-        "symmetric": True,
+        "symmetric": scheme != "int8z",
         "strategy": "channel" if scheme == "int8" else "group",
         "group_size": None if scheme == "int8" else group_size,
         "dynamic": False,
@@ -111,8 +112,11 @@ def write(
         if activations:
             out[name] = w.integers().contiguous()
             continue
-        out[module + ".weight_packed"] = pack(w.integers(), bits)
+        q = w.qweight[:, :k] if w.scheme == "int8z" else w.integers()  # int8z: q, z apart
+        out[module + ".weight_packed"] = pack(q, bits)
         out[module + ".weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        if w.scheme == "int8z":  # packed along the output channels, as compressed-tensors does
+            out[module + ".weight_zero_point"] = pack(w.zero_points().t(), bits).t().contiguous()
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     write_beside(src, dst, quantization_config(scheme, group_size, head, activations))
     return dst

@@ -11,7 +11,9 @@ A quantized Linear module ``M`` holds (msModelSlim's AscendV1 saver, as vllm-asc
   ``group_size``), stored in float32 and loaded into a bf16 model's parameters as vllm-ascend
   does: rounded to bf16;
 - ``M.weight_offset``: the same shape; zeros for W8A8_DYNAMIC (the saver writes zeros) and for
-  a symmetric W8A16. A nonzero offset (asymmetric W8A16) is refused by name.
+  a symmetric W8A16. An asymmetric W8A16 (a nonzero offset anywhere) has the value ``(q +
+  offset) * scale`` (``npu_weight_quant_batchmatmul``'s ``antiquant_offset``, as vllm-ascend
+  passes it): it runs as ``hal.quant``'s int8z with ``z = -offset`` (integers in [-127, 128]).
 
 Arithmetic: W8A16 is ``x @ (q * scale).T`` (``hal.quant``'s int8, or int8g per group); W8A8
 dynamic quantizes each row of ``x`` with one scale (``torch_npu.npu_dynamic_quant``) and sums
@@ -43,7 +45,13 @@ from safetensors.torch import save_file
 
 from hal.interfaces import Device
 from hal.quant import QuantizedWeight, StaticInput, from_integers
-from runtime_glue.ouro.checkpoint import CheckpointError, TensorEntry, expected_tensors, read_tensor
+from runtime_glue.ouro.checkpoint import (
+    CheckpointError,
+    TensorEntry,
+    expected_tensors,
+    index_checkpoint,
+    read_tensor,
+)
 from runtime_glue.ouro.compressed import CheckpointQuantization, kernel_group, load_stored
 from runtime_glue.ouro.compressed_write import write_beside
 from runtime_glue.ouro.config import OuroConfig
@@ -55,8 +63,9 @@ WEIGHTS_FILE = "quant_model_weights.safetensors"  # the AscendV1 saver's name
 STATIC = "W8A8"  # W8A8 static: the input's scale and offset calibrated, per tensor
 TYPES = ("W8A16", "W8A8_DYNAMIC", STATIC)  # what rlt-hal runs
 WHAT_WORKS = (
-    "rlt-hal loads msModelSlim W8A16 (per channel or group), W8A8_DYNAMIC and W8A8 (static) "
-    "checkpoints with symmetric weights (zero weight_offset) and every projection of one type"
+    "rlt-hal loads msModelSlim W8A16 (per channel or group, symmetric or asymmetric), "
+    "W8A8_DYNAMIC and W8A8 (static) checkpoints (symmetric: zero weight_offset) with every "
+    "projection of one type"
 )
 ACTIVATIONS = {"W8A8_DYNAMIC": "token", STATIC: "static"}
 
@@ -103,6 +112,18 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         raise refuse(f"{kept!r} is {types[kept]}; only the layers' projections may be quantized")
     group = int(description.get("group_size") or 0)
     widths = (cfg.hidden_size, cfg.intermediate_size)
+    if kind == "W8A16" and _asymmetric(model_dir, projections):
+        # (q + weight_offset) * scale: int8z with z = -offset, a group of the kernels' (per
+        # channel: each scale and offset repeated per group)
+        kernels = kernel_group(group or None, widths)
+        if kernels is None:
+            raise refuse(
+                f"group_size {group} on input widths {widths}: the kernels need groups of 32, "
+                "64 or 128 dividing them"
+            )
+        return CheckpointQuantization(
+            kind, "int8z", kernels, group or None, False, False, method=METHOD, zero_points=True
+        )
     if group and kind == "W8A16":
         kernels = kernel_group(group, widths)
         if kernels is None:
@@ -121,6 +142,17 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
         method=METHOD,
         activations=ACTIVATIONS.get(kind),
     )
+
+
+def _asymmetric(model_dir: str | Path, projections: list[str]) -> bool:
+    """Whether any projection's ``weight_offset`` is nonzero (read before the weights: the
+    offsets are one value a channel or group)."""
+    entries = index_checkpoint(model_dir)
+    for name in projections:
+        entry = entries.get(name[: -len(".weight")] + ".weight_offset")
+        if entry is not None and bool(read_tensor(entry).ne(0).any()):
+            return True
+    return False
 
 
 def expected(cfg: OuroConfig, cq: CheckpointQuantization) -> dict[str, tuple[tuple, tuple]]:
@@ -168,13 +200,26 @@ def _quantized_weight(
 ) -> QuantizedWeight:
     n, k = shape
     offset_entry = entries[module + ".weight_offset"]
-    if bool(read_tensor(offset_entry).ne(0).any()):
+    offset = read_tensor(offset_entry)
+    if cq.scheme != "int8z" and bool(offset.ne(0).any()):
         raise CheckpointError(
-            f"{offset_entry.file}: tensor {offset_entry.name!r} is not zero: asymmetric weights "
-            f"are not supported yet; {WHAT_WORKS}"
+            f"{offset_entry.file}: tensor {offset_entry.name!r} is not zero: {cq.format} "
+            f"weights are symmetric (asymmetric ones load as W8A16); {WHAT_WORKS}"
         )
     scale = read_tensor(entries[module + ".weight_scale"]).bfloat16()  # as vllm-ascend loads it
     q = read_tensor(entries[module + ".weight"])
+    if cq.scheme == "int8z":
+        z = -offset.double()
+        if not (torch.equal(z.round(), z) and bool((z >= -128).all() and (z <= 127).all())):
+            raise CheckpointError(
+                f"{offset_entry.file}: tensor {offset_entry.name!r} holds offsets that are not "
+                "integers in [-127, 128] (rlt-hal keeps -offset as an int8 zero point)"
+            )
+        assert cq.group_size is not None  # int8z has one
+        repeat = k // cq.group_size // scale.shape[1]
+        z = z.to(torch.int16).repeat_interleave(repeat, dim=1)
+        scale = scale.repeat_interleave(repeat, dim=1)
+        return from_integers(q, scale, "int8z", cq.group_size, zero=z)
     if cq.format == STATIC:
         return attrs.evolve(from_integers(q, scale[:, 0], "int8"), static=_static(entries, module))
     if cq.scheme == "int8":
@@ -212,7 +257,8 @@ def write(
 ) -> Path:
     """An msModelSlim checkpoint (the AscendV1 layout) of ``kind`` ("W8A16", "W8A8_DYNAMIC"
     or "W8A8") in ``dst``: ``weights`` as ``quantize.quantize_weights`` gave them (int8
-    per channel; W8A16 also int8g per group; W8A8 static: each projection with its calibrated
+    per channel; W8A16 also int8g per group, and int8z (asymmetric: ``weight_offset = -z``);
+    W8A8 static: each projection with its calibrated
     input, ``hal.quant.with_static_input``), beside ``src``'s config.json (without a
     ``quantization_config``) and tokenizer."""
     if kind not in TYPES:
@@ -226,18 +272,20 @@ def write(
             out[name] = w.contiguous()
             description[name] = "FLOAT"
             continue
-        if name == "lm_head.weight" or w.scheme not in ("int8", "int8g"):
+        if name == "lm_head.weight" or w.scheme not in ("int8", "int8g", "int8z"):
             raise ValueError(f"msModelSlim {kind} holds int8 projections, got {name} {w.scheme}")
-        if w.scheme == "int8g" and kind != "W8A16":
+        if w.scheme in ("int8g", "int8z") and kind != "W8A16":
             raise ValueError(f"{kind} takes one scale per channel (int8), not per group")
         module = name[: -len(".weight")]
         n = w.shape[0]
         scale = w.scale.float().view(n, -1)
-        if w.scheme == "int8g":
+        if w.scheme in ("int8g", "int8z"):
             description["group_size"] = group_size
-        out[name] = w.qweight.contiguous()
+        out[name] = w.qweight[:, : w.in_features].contiguous()
         out[module + ".weight_scale"] = scale.contiguous()
-        out[module + ".weight_offset"] = torch.zeros_like(scale)
+        out[module + ".weight_offset"] = (
+            -w.zero_points().float() if w.scheme == "int8z" else torch.zeros_like(scale)
+        )
         if kind == STATIC:
             if w.static is None:
                 raise ValueError(f"W8A8 (static) needs {name}'s calibrated input")

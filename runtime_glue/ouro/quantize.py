@@ -156,7 +156,7 @@ def place(
     for name, parts in views.items():
         if len(parts) == 2:
             assert scheme is not None  # only a quantized owner has two parts
-            k = _in_features(owners[name], scheme)
+            k = _in_features(owners[name], scheme, group_size)
             group = k if scheme == "int8" else group_size
             assert group is not None
             out[name] = QuantizedWeight(scheme, parts[0], parts[1], group, k)
@@ -232,8 +232,11 @@ def _attach_statics(
         out[owner] = attrs.evolve(w, static=static, forms={})
 
 
-def _in_features(parts: tuple, scheme: str) -> int:
+def _in_features(parts: tuple, scheme: str, group_size: int | None) -> int:
     (qshape, _), _ = parts
+    if scheme == "int8z":  # K values and K / group zero points a row
+        assert group_size is not None
+        return qshape[1] * group_size // (group_size + 1)
     return qshape[1] * 2 if scheme == "int4" else qshape[1]
 
 
