@@ -433,7 +433,8 @@ def test_unknown_kernels_and_drivers_without_it_are_refused(tiny_ckpt, monkeypat
     monkeypatch.setenv("RLT_HAL_NPU_EMULATE", "1")
     npu_kernels = (
         "torch, int8-dequant, int8-token-ref, int8-static-ref, int8-npu, int8-token-npu, "
-        "int8-static-npu, int8g-dequant, int8g-npu, int4-dequant, int4-npu"
+        "int8-static-npu, int8g-dequant, int8g-npu, int4-dequant, int4-npu, int8z-dequant, "
+        "int8z-npu"
     )
     with pytest.raises(ValueError, match=f"choose one of: {npu_kernels}$"):
         LLM(tiny_ckpt, device="npu", num_blocks=4, linear="avx2")
