@@ -410,3 +410,16 @@ def test_w8a8_static_refusals_name_the_option_or_the_tensor(wide_ckpt, w8a8, w8a
         with pytest.raises(ValueError, match=words) as err:
             LLM(bad, **ENGINE)
         assert "\n" not in str(err.value)
+
+
+def test_exact_speculation_on_a_w8a8_static_checkpoint_equals_plain_decoding(w8a8_static):
+    """Speculation with the early loops as the draft, on the calibrated W8A8 projections: the
+    tokens and logits of plain decoding (deterministic mode)."""
+    from tests.test_speculative import assert_same, jobs_of, run
+
+    llm = LLM(w8a8_static, block_size=16, num_blocks=64, mode="deterministic")
+    assert llm.plan.quantization == "int8 + int8 activations, static"
+    want = run(llm, jobs_of(llm))
+    spec = llm.with_speculation(2, tokens=3)
+    assert_same(run(spec, jobs_of(llm, num_speculative_tokens=3)), want)
+    assert spec.engine.stats["spec_verify_steps"] > 0
