@@ -165,6 +165,32 @@ def test_vllms_chat_template_fields_render_as_tokenize_renders_them(server, tiny
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == text_ids["count"]
 
 
+def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(server):
+    """Over the request's own flags (vLLM's order), in chat and /tokenize alike; the renderer's
+    own arguments (the template, the tools, tokenize) are refused by name."""
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I"}]
+    over = {"add_generation_prompt": False, "continue_final_message": True}
+    kwargs = {"model": "toy", "messages": convo, "chat_template_kwargs": over}
+    via_kwargs = _post(server, "/tokenize", kwargs).json()
+    via_flags = _post(server, "/tokenize", {"model": "toy", "messages": convo, **over}).json()
+    plain = _post(server, "/tokenize", {"model": "toy", "messages": convo}).json()
+    assert via_kwargs["tokens"] == via_flags["tokens"] != plain["tokens"]
+    r = _post(server, "/v1/chat/completions", {**kwargs, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == via_kwargs["count"]
+    thinking = {"model": "toy", "messages": MESSAGES, "max_tokens": 1,
+                "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    assert _post(server, "/v1/chat/completions", thinking).status_code == 200  # unused: fine
+    for bad in ({"tokenize": True}, {"chat_template": "{{ 'x' }}"}, {"tools": []}):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = _post(
+                server, path, {"model": "toy", "messages": MESSAGES, "chat_template_kwargs": bad}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+            assert repr(next(iter(bad))) in r.json()["error"]["message"]
+    r = _post(server, "/tokenize", {"model": "toy", "prompt": "hi", "chat_template_kwargs": {}})
+    assert r.status_code == 400 and "applies to messages only" in r.text
+
+
 def _chat(server, **fields):
     body = {"model": "toy", "messages": MESSAGES, "temperature": 0, "max_tokens": 8, **fields}
     r = _post(server, "/v1/chat/completions", body)

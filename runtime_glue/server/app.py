@@ -40,6 +40,7 @@ from runtime_glue.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     UnsupportedValue,
+    check_template_kwargs,
 )
 from runtime_glue.server.render import Choice, Render
 from runtime_glue.server.routes import plan_choices, respond
@@ -217,7 +218,8 @@ class Server:
                 )
             try:
                 messages = template_messages(body.messages)
-            except MessageError as exc:
+                check_template_kwargs(body.chat_template_kwargs)
+            except (MessageError, UnsupportedValue) as exc:
                 raise ApiError(400, str(exc), param=exc.param) from None
             kwargs = tools.template_kwargs() if tools is not None else {}
             return [await self.chat_ids(messages, **kwargs, **body.template_kwargs())]

@@ -332,6 +332,9 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Annotated[str, Field(min_length=1)] | None = None
+    # Extra variables for the chat template (e.g. a Thinking template's enable_thinking), as
+    # vLLM passes them: over the request's own flags.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the request asks of the chat template (``apply_chat_template``'s names)."""
@@ -341,7 +344,7 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatFields):
         }
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
-        return kwargs
+        return {**kwargs, **(self.chat_template_kwargs or {})}
 
     @model_validator(mode="after")
     def _merge_max_tokens(self) -> ChatCompletionRequest:
@@ -355,9 +358,30 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatFields):
     def check_supported(self) -> None:
         super().check_supported()
         self.check_openai_fields()
-        check_continuation(self.add_generation_prompt, self.continue_final_message)
+        kwargs = self.template_kwargs()  # (its keys were checked before the template ran)
+        check_continuation(kwargs["add_generation_prompt"], kwargs["continue_final_message"])
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs=true")
+
+
+# apply_chat_template's arguments that are not the template's to set: the renderer's own.
+RENDERER_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tokenize", "return_tensors", "return_dict", "tokenizer_kwargs",
+     "return_assistant_tokens_mask", "chat_template", "tools", "documents", "padding",
+     "truncation", "max_length"}
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """``chat_template_kwargs``: variables for the template, not the renderer's arguments (the
+    template and the tools have fields of their own)."""
+    bad = sorted(set(kwargs or {}) & RENDERER_ARGUMENTS)
+    if bad:
+        raise UnsupportedValue(
+            "chat_template_kwargs",
+            f"chat_template_kwargs sets {', '.join(map(repr, bad))}, which the renderer owns "
+            "(give the template as chat_template, tools as tools)",
+        )
 
 
 def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:

@@ -11,12 +11,18 @@ runs on the server's pool threads, never on the event loop.
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from runtime_glue.server.messages import ChatMessage, MessageError, template_messages
-from runtime_glue.server.protocol import ApiError
+from runtime_glue.server.protocol import (
+    ApiError,
+    UnsupportedValue,
+    check_continuation,
+    check_template_kwargs,
+)
 
 
 class TokenizeRequest(BaseModel):
@@ -31,21 +37,16 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = False
     add_generation_prompt: bool = True  # messages only
     continue_final_message: bool = False  # messages only
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ApiError(400, "send exactly one of prompt and messages", param="prompt")
         if self.prompt is not None:
-            for name in ("add_generation_prompt", "continue_final_message"):
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
                 if name in self.model_fields_set:
                     raise ApiError(400, f"{name} applies to messages only", param=name)
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ApiError(
-                400,
-                "continue_final_message needs add_generation_prompt=false",
-                param="continue_final_message",
-            )
 
 
 class DetokenizeRequest(BaseModel):
@@ -108,11 +109,18 @@ def install_tokenizer_routes(app: FastAPI, server) -> None:
                 messages = template_messages(body.messages)
             except MessageError as exc:
                 raise ApiError(400, str(exc), param=exc.param) from None
+            flags = {
+                "add_generation_prompt": body.add_generation_prompt,
+                "continue_final_message": body.continue_final_message,
+                **(body.chat_template_kwargs or {}),
+            }
+            try:
+                check_template_kwargs(body.chat_template_kwargs)
+                check_continuation(flags["add_generation_prompt"], flags["continue_final_message"])
+            except UnsupportedValue as exc:
+                raise ApiError(400, str(exc), param=exc.param) from None
             ids = await server.chat_ids(
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                add_special_tokens=body.add_special_tokens,
+                messages, add_special_tokens=body.add_special_tokens, **flags
             )
         else:
             ids = await server.encode(body.prompt, add_special_tokens=body.add_special_tokens)
