@@ -105,12 +105,23 @@ def cmd_toy_checkpoint(args: argparse.Namespace) -> int:
 
     refuse_non_empty(args.dir, "toy-checkpoint", args.force)
     if args.preset == "trained":
+        if args.thinking:
+            raise ValueError(
+                "--thinking writes random weights in the Thinking layout; the trained preset "
+                "learned no reasoning format"
+            )
         return _trained_checkpoint(args)
     cfg = preset_config(args.preset, total_ut_steps=args.loops)
     path = write_checkpoint(
-        args.dir, cfg, seed=args.seed, shards=args.shards, gate_bias=args.gate_bias
+        args.dir,
+        cfg,
+        seed=args.seed,
+        shards=args.shards,
+        gate_bias=args.gate_bias,
+        thinking=args.thinking,
     )
-    print(f"wrote a random {args.preset} Ouro checkpoint to {path}")
+    layout = " in the Thinking layout" if args.thinking else ""
+    print(f"wrote a random {args.preset} Ouro checkpoint{layout} to {path}")
     return 0
 
 
@@ -303,6 +314,12 @@ def _add_toy_checkpoint(sub) -> None:
         type=float,
         default=0.0,
         help="the exit gate's bias: higher, earlier exits (rlt-hal bench adaptive)",
+    )
+    p.add_argument(
+        "--thinking",
+        action="store_true",
+        help="the Thinking variants' layout: <think> and </think> tokens, and a chat template "
+        "whose enable_thinking (chat_template_kwargs) opens the reasoning block",
     )
     _add_force(p)
     p.set_defaults(func=cmd_toy_checkpoint)

@@ -37,6 +37,20 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# The Thinking variants' reasoning block, as Ouro-1.4B-Thinking writes it: "<think> ... </think>"
+# then the answer. A --thinking toy checkpoint has both as tokens (the vocabulary's last two)
+# and a template whose enable_thinking opens the block in the generation prompt (as the GRPO
+# fine-tune's template does: LoopedLMs/ouro_rl); without it the model opens the block itself,
+# as the released Thinking checkpoints do.
+THINK_START, THINK_END = "<think>", "</think>"
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking %}{{ '<think>\\n' }}{% endif %}"
+    "{% endif %}"
+)
 _CORPUS = """\
 Ouro is a looped language model: it runs the same stack of decoder layers several times for
 every token, and each pass refines the hidden state before the next one begins. The runtime
@@ -121,11 +135,18 @@ _GAINS = {"q_proj": 2.0, "k_proj": 2.0, "lm_head": 4.0}
 
 
 def write_checkpoint(
-    out_dir: str | Path, cfg: OuroConfig, seed: int = 0, shards: int = 1, gate_bias: float = 0.0
+    out_dir: str | Path,
+    cfg: OuroConfig,
+    seed: int = 0,
+    shards: int = 1,
+    gate_bias: float = 0.0,
+    thinking: bool = False,
 ) -> Path:
     """Write config.json, random safetensors (``shards`` > 1: with an index) and the tokenizer.
-    ``gate_bias`` sets the exit gate's bias: the higher, the earlier tokens exit."""
-    return write_files(out_dir, cfg, random_weights(cfg, seed, gate_bias), shards)
+    ``gate_bias`` sets the exit gate's bias: the higher, the earlier tokens exit; ``thinking``:
+    the Thinking layout's tokenizer and template (:func:`thinking_tokenizer`)."""
+    weights = random_weights(cfg, seed, gate_bias)
+    return write_files(out_dir, cfg, weights, shards, thinking=thinking)
 
 
 def write_files(
@@ -134,8 +155,10 @@ def write_files(
     weights: dict[str, torch.Tensor],
     shards: int = 1,
     tokenizer=None,
+    thinking: bool = False,
 ) -> Path:
-    """config.json, ``weights`` as safetensors (``shards`` > 1: with an index), the tokenizer."""
+    """config.json, ``weights`` as safetensors (``shards`` > 1: with an index), the tokenizer
+    (``thinking``: the Thinking layout's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
@@ -152,7 +175,7 @@ def write_files(
         total = sum(w.numel() * w.element_size() for w in weights.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    write_tokenizer(out, tokenizer)
+    write_tokenizer(out, tokenizer, thinking)
     return out
 
 
@@ -300,8 +323,23 @@ def _into_place(staging: Path, path: Path) -> None:
         shutil.rmtree(staging)
 
 
-def write_tokenizer(out: Path, tokenizer=None) -> None:
-    """``tokenizer`` (default: the random presets' one) and its HF side files."""
+def thinking_tokenizer(vocab_size: int = TOKENIZER_VOCAB):
+    """The random presets' tokenizer with ``<think>`` and ``</think>`` as its last two ids
+    (added tokens, not special: they stay in the decoded text, where reasoning parsers find
+    them)."""
+    from tokenizers import AddedToken
+
+    tok = train_tokenizer(vocab_size - 2)
+    tok.add_tokens([AddedToken(t, normalized=False) for t in (THINK_START, THINK_END)])
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    return tok
+
+
+def write_tokenizer(out: Path, tokenizer=None, thinking: bool = False) -> None:
+    """``tokenizer`` (default: the random presets' one; ``thinking``: with the think tokens and
+    the Thinking template) and its HF side files."""
+    if thinking and tokenizer is None:
+        tokenizer = thinking_tokenizer()
     (tokenizer or train_tokenizer()).save(str(out / "tokenizer.json"))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -310,7 +348,7 @@ def write_tokenizer(out: Path, tokenizer=None) -> None:
         "pad_token": "<|endoftext|>",
         "unk_token": None,
         "model_max_length": 65536,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": THINKING_TEMPLATE if thinking else CHATML_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}, indent=2))
