@@ -42,6 +42,7 @@ from runtime_glue.server.protocol import (
     UnsupportedValue,
     check_template_kwargs,
 )
+from runtime_glue.server.reasoning import reasoning_parser as reasoning_parser_named
 from runtime_glue.server.render import Choice, Render
 from runtime_glue.server.routes import plan_choices, respond
 from runtime_glue.server.tokenizer_api import install_tokenizer_routes
@@ -67,6 +68,7 @@ class Server:
             json_whitespace=None if options.json_whitespace == "any" else options.json_whitespace,
             trust_request_chat_template=options.trust_request_chat_template,
             log_requests=options.enable_log_requests,
+            reasoning_parser=options.reasoning_parser,
         )
 
     def __init__(
@@ -80,8 +82,10 @@ class Server:
         json_whitespace: str | None = DEFAULT_JSON_WHITESPACE,
         trust_request_chat_template: bool = False,
         log_requests: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.llm = llm
+        self.reasoning = reasoning_parser_named(reasoning_parser)
         self.log_requests = log_requests
         if log_requests and not request_log.handlers:
             handler = logging.StreamHandler(sys.stderr)
@@ -364,7 +368,7 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         choices = await server.prepare(body, prompts, tools)
         chat = isinstance(body, ChatCompletionRequest)
         texts = await server.prompt_texts(body, prompts)
-        render = Render(chat, body, server.decode_one, texts, tools)
+        render = Render(chat, body, server.decode_one, texts, tools, server.reasoning)
         rid = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sends
         shown = f"{prefix}-{body.request_id}" if body.request_id else rid  # vLLM's request_id
         if server.log_requests:

@@ -335,6 +335,8 @@ class ChatCompletionRequest(_SamplingFields, _OpenAIChatFields):
     # Extra variables for the chat template (e.g. a Thinking template's enable_thinking), as
     # vLLM passes them: over the request's own flags.
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: with a reasoning parser, false leaves the reasoning out of the response.
+    include_reasoning: bool = True
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the request asks of the chat template (``apply_chat_template``'s names)."""

@@ -15,6 +15,7 @@ import attrs
 from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server import logprobs as lp
+from runtime_glue.server.reasoning import ReasoningParser, ReasoningStream
 from runtime_glue.server.tools import AutoStream, ToolPlan
 
 
@@ -37,11 +38,16 @@ def stable_text(text: str, finished: bool) -> str:
 class Progress:
     """What one choice of a stream has sent so far."""
 
-    def __init__(self, tools: ToolPlan | None) -> None:
+    def __init__(self, tools: ToolPlan | None, reasoning: ReasoningParser | None = None) -> None:
         self.text, self.tokens, self.exit_steps, self.opened = "", 0, 0, False
         self.last: RequestUpdate | None = None
         self.auto = AutoStream() if tools is not None and tools.mode == "auto" else None
         self.logprobs: lp.CompletionLogprobs | None = None
+        self.reasoning = ReasoningStream(reasoning) if reasoning is not None else None
+
+    def content(self) -> str:
+        """The answer sent or known so far (with a reasoning parser: after the reasoning)."""
+        return self.text if self.reasoning is None else self.reasoning.content
 
     def advance(self, out: RequestUpdate) -> str:
         """The text ``out`` adds to what was sent (held back while a character is split)."""
@@ -65,8 +71,10 @@ class Render:
         decode: Callable[[int], str],
         prompt_texts: list[str] | None = None,
         tools: ToolPlan | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.chat, self.body, self.decode = chat, body, decode
+        self.reasoning = reasoning if chat else None
         self.prompt_texts, self.tools = prompt_texts or [], tools
         self.echo = not chat and body.echo
         self.object = "chat.completion" if chat else "text_completion"
@@ -77,11 +85,13 @@ class Render:
     def choice(self, choice: Choice, out: RequestUpdate) -> dict:
         reason = out.finish_reason
         if self.chat:
-            content: str | None = out.text
+            reasoning, content = self._split(out.text)
             calls: list[dict] = []
             if self.tools is not None and self.tools.parses:
-                content, calls = self.tools.calls(out.text)
+                content, calls = self.tools.calls(content or "")
             message: dict = {"role": "assistant", "content": content}
+            if self.reasoning is not None and self.body.include_reasoning:
+                message["reasoning"] = message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason
@@ -97,6 +107,12 @@ class Render:
         if self.body.return_exit_steps:
             result["exit_steps"] = list(out.exit_steps)
         return result
+
+    def _split(self, text: str) -> tuple[str | None, str | None]:
+        """A chat output's reasoning and answer (no parser: all answer)."""
+        if self.reasoning is None:
+            return None, text
+        return self.reasoning.split(text)
 
     def extras(self, finals: dict[int, RequestUpdate]) -> dict:
         """Response-level fields: chat's ``prompt_logprobs`` (one prompt: choice 0's)."""
@@ -140,21 +156,29 @@ class Render:
     def delta(self, choice: Choice, out: RequestUpdate, progress: Progress) -> dict | None:
         """The chunk payload of what ``out`` adds, or None when there is nothing to send yet."""
         text = progress.advance(out)
+        thought = ""
+        if self.chat and progress.reasoning is not None:  # the reasoning, then the answer
+            thought, text = progress.reasoning.advance(progress.text, out.finished)
+            if not self.body.include_reasoning:
+                thought = ""
         held = self.chat and self.tools is not None and self.tools.parses
         if held:  # only an auto output's content before a tool call goes out as it comes
             auto = progress.auto
-            text = auto.feed(progress.text) if auto is not None and not out.finished else ""
+            text = auto.feed(progress.content()) if auto is not None and not out.finished else ""
         if self.echo and not progress.opened:
             text = self.prompt_texts[choice.prompt] + text
-        if not text and not out.finished:
+        if not text and not thought and not out.finished:
             return None
         progress.opened = True
         start, progress.tokens = progress.tokens, len(out.token_ids)
         reason = out.finish_reason if out.finished else None
         if self.chat:
-            delta: dict = {"content": text} if text else {}
+            delta: dict = {"reasoning": thought} if thought else {}
+            if text:
+                delta["content"] = text
             if held and out.finished:
-                delta, reason = self._held_calls(out, progress, reason)
+                calls, reason = self._held_calls(out, progress, reason)
+                delta = {**({"reasoning": thought} if thought else {}), **calls}
             logprobs = self._chat_logprobs(out, start)
         else:
             delta = {"text": text}
@@ -168,7 +192,7 @@ class Render:
     def _held_calls(self, out: RequestUpdate, progress: Progress, reason):
         """The end of a held-back output: the content not sent yet, and the tool calls."""
         assert self.tools is not None
-        content, calls = self.tools.calls(out.text)
+        content, calls = self.tools.calls(self._split(out.text)[1] or "")
         sent = progress.auto.sent if progress.auto is not None else ""
         delta: dict = {}
         if content and content[len(sent) :]:  # content begins with what was sent
