@@ -115,31 +115,44 @@ def test_the_server_splits_what_the_model_wrote_whole_streamed_or_left_out(think
     body = {"model": "toy", "messages": CHAT, "max_tokens": 24, "temperature": 0,
             "structured_outputs": SHAPED, "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
     try:
-        raw = httpx.post(plain.base + "/v1/chat/completions", json=body, timeout=60).json()
+        ids = {"logprobs": True, "return_tokens_as_token_ids": True}
+        raw = httpx.post(plain.base + "/v1/chat/completions", json={**body, **ids}, timeout=60)
+        raw = raw.json()
         text = raw["choices"][0]["message"]["content"]
         assert THINK_END in text and "reasoning" not in raw["choices"][0]["message"]
+        assert "completion_tokens_details" not in raw["usage"]  # no parser, no count
         reasoning, answer = text.split(THINK_END, 1)
+        tokens = [t["token"] for t in raw["choices"][0]["logprobs"]["content"]]
+        end = LLM(thinking, block_size=16, num_blocks=16).tokenizer.convert_tokens_to_ids(THINK_END)
+        thought = tokens.index(f"token_id:{end}") + 1  # the reasoning's tokens, its tags too
         whole = httpx.post(parsed.base + "/v1/chat/completions", json=body, timeout=60).json()
         message = whole["choices"][0]["message"]
         assert message["reasoning"] == message["reasoning_content"] == reasoning
         assert message["content"] == answer
+        assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+        assert whole["usage"]["completion_tokens"] == len(tokens) > thought
         left_out = {**body, "include_reasoning": False}
         message = httpx.post(parsed.base + "/v1/chat/completions", json=left_out, timeout=60)
         message = message.json()["choices"][0]["message"]
         assert "reasoning" not in message and message["content"] == answer
         got = {"reasoning": "", "content": ""}
         order = []
+        usage = None
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", parsed.base + "/v1/chat/completions",
-                          json={**body, "stream": True}, timeout=60) as r:  # fmt: skip
+                          json=streamed, timeout=60) as r:  # fmt: skip
             for line in r.iter_lines():
                 if not line.startswith("data: {"):
                     continue
-                for choice in json.loads(line[6:])["choices"]:
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
                     for key in ("reasoning", "content"):
                         if choice["delta"].get(key):
                             got[key] += choice["delta"][key]
                             order.append(key)
         assert got == {"reasoning": reasoning, "content": answer}
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": thought}
         assert order.index("content") > max(i for i, k in enumerate(order) if k == "reasoning")
     finally:
         plain.stop()

@@ -108,6 +108,20 @@ class Render:
             result["exit_steps"] = list(out.exit_steps)
         return result
 
+    def reasoning_tokens(self, out: RequestUpdate) -> int:
+        """How many of the output's tokens are its reasoning: up to the end tag's last one (the
+        tags count), all of an output still thinking, none of one without reasoning."""
+        assert self.reasoning is not None
+        reasoning, content = self.reasoning.split(out.text)
+        if reasoning is None and content is not None:
+            return 0
+        text = ""
+        for i, token in enumerate(out.token_ids):
+            text += self.decode(token)
+            if self.reasoning.end in text:
+                return i + 1
+        return len(out.token_ids)
+
     def _split(self, text: str) -> tuple[str | None, str | None]:
         """A chat output's reasoning and answer (no parser: all answer)."""
         if self.reasoning is None:

@@ -44,10 +44,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def _total_usage(choices: list[Choice], outs: dict[int, RequestUpdate]) -> dict:
+def _total_usage(
+    choices: list[Choice], outs: dict[int, RequestUpdate], render: Render | None = None
+) -> dict:
     prompts = {c.prompt: len(c.ids) for c in choices}  # once per prompt
     generated = sum(len(out.token_ids) for out in outs.values())
-    return _usage(sum(prompts.values()), generated)
+    usage = _usage(sum(prompts.values()), generated)
+    if render is not None and render.reasoning is not None:  # vLLM's, with a reasoning parser
+        thought = sum(render.reasoning_tokens(out) for out in outs.values())
+        usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+    return usage
 
 
 def _sse(obj) -> str:
@@ -126,7 +132,7 @@ async def respond(
         if out.finish_reason == "error":
             raise ApiError(500, f"generation failed: {out.error}", "server_error")
         results.append(render.choice(choice, out))
-    usage = _total_usage(choices, finals)
+    usage = _total_usage(choices, finals, render)
     response = {**head, "object": render.object, "choices": results, "usage": usage}
     return {**response, **render.extras(finals)}
 
@@ -160,6 +166,6 @@ class _Stream:
             yield _sse(exc.body())
         finals = {i: p.last for i, p in self.progress.items() if p.last is not None}
         if self.body.include_usage and finals:
-            usage = _total_usage(self.choices, finals)
+            usage = _total_usage(self.choices, finals, self.render)
             yield _sse({**self.chunk, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"
