@@ -397,9 +397,8 @@ def _quantized_weight(
     z = None
     if cq.zero_points:
         z = _zero_points(entries[module + ".weight_zero_point"], cq, n)
-        if cq.scheme != "int8z":  # 4 bits: q - z, per channel or repeated over each group
-            q = q.to(torch.int16) - (z if cq.stored_group is None else z.repeat_interleave(
-                cq.stored_group, dim=1))  # fmt: skip
+        if cq.scheme != "int8z":  # 4 bits: q - z, each zero point over its group's inputs
+            q = q.to(torch.int16) - z.repeat_interleave(k // z.shape[1], dim=1)
             z = None
     scale = scale.bfloat16()
     if cq.scheme == "int8":
