@@ -388,3 +388,20 @@ def test_a_layout_derived_inside_the_capture_as_part_of_the_step_breaks_the_repl
     graph, _ = emulated_npu.step_graphs().capture(step)
     with pytest.raises(GraphReplayError, match="another op"):
         graph.replay()
+
+
+def test_the_emulated_npu_quantize_follows_its_documented_form_and_refuses_the_rest():
+    """EMULATED torch_npu.npu_quantize (a test double): ``x * scales + zero_points`` to int8
+    with div_mode=False; a caller passing scales that do not fit the last axis, zero points of
+    another dtype, or another mode is refused as the docs say, not computed."""
+    x = torch.tensor([[0.3, -1.2, 5.0, 400.0]], dtype=torch.bfloat16)
+    inv = torch.full((4,), 2.0, dtype=torch.bfloat16)
+    off = torch.full((4,), 1.0, dtype=torch.bfloat16)
+    q = quant_ops.npu_quantize(x, inv, off, torch.qint8, -1, False)
+    assert q.dtype == torch.int8 and q.tolist() == [[2, -1, 11, 127]]  # rint, saturated
+    with pytest.raises(RuntimeError, match="scales must be 1-D of size 4"):
+        quant_ops.npu_quantize(x, inv[:3], off[:3], torch.qint8, -1, False)
+    with pytest.raises(RuntimeError, match="zero_points must have scales' shape and dtype"):
+        quant_ops.npu_quantize(x, inv, off.float(), torch.qint8, -1, False)
+    with pytest.raises(NotImplementedError, match="div_mode=False"):
+        quant_ops.npu_quantize(x, inv, off, torch.qint8, -1, True)

@@ -140,31 +140,22 @@ def read_quantization(model_dir: str | Path, cfg: OuroConfig) -> CheckpointQuant
     if w.get("dynamic"):
         raise refuse(f"dynamic weight quantization (config group {name!r}) is not supported")
     widths = (cfg.hidden_size, cfg.intermediate_size)
-    kernels: int | None = None  # the kernels' group
-    # Asymmetric 4-bit weights run as int8 (per channel or group) holding q - zero point,
-    # in [-15, 15]: exactly the values compressed-tensors decompresses, at twice int4's bytes.
-    # Asymmetric 8-bit weights (q - z in [-255, 255]) run as int8z, which keeps z.
-    wide = bits == 8 or asymmetric
-    if asymmetric and bits == 8:
-        stored = None if strategy == "channel" else int(w.get("group_size") or 0)
-        scheme, kernels = "int8z", kernel_group(stored, widths)
-        if strategy not in ("channel", "group"):
-            raise refuse(
-                f"{bits}-bit weights with strategy {strategy!r} (config group {name!r}) are "
-                "not supported"
-            )
-    elif strategy == "channel":
-        stored, scheme = None, "int8" if wide else "int4"
-        if scheme == "int4":
-            kernels = kernel_group(None, widths)
-    elif strategy == "group":
-        stored, scheme = int(w.get("group_size") or 0), "int8g" if wide else "int4"
-        kernels = kernel_group(stored, widths)
-    else:
+    if strategy not in ("channel", "group"):
         raise refuse(
             f"{bits}-bit weights with strategy {strategy!r} (config group {name!r}) are not "
             "supported"
         )
+    stored = None if strategy == "channel" else int(w.get("group_size") or 0)
+    # Asymmetric 4-bit weights run as int8 (per channel or group) holding q - zero point,
+    # in [-15, 15]: exactly the values compressed-tensors decompresses, at twice int4's bytes.
+    # Asymmetric 8-bit weights (q - z in [-255, 255]) run as int8z, which keeps z.
+    if asymmetric and bits == 8:
+        scheme = "int8z"
+    elif bits == 8 or asymmetric:
+        scheme = "int8" if stored is None else "int8g"
+    else:
+        scheme = "int4"
+    kernels = None if scheme == "int8" else kernel_group(stored, widths)  # the kernels' group
     if scheme != "int8" and kernels is None:
         per = "one scale per channel" if stored is None else f"group size {stored}"
         raise refuse(
