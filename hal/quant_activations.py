@@ -6,14 +6,14 @@ against, and the reference kernels themselves. The weights' side (schemes, layou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from hal.quant import QuantizedWeight
+# A projection's weight here is a hal.quant.QuantizedWeight (hal.quant imports this module).
+QuantizedWeight = Any
 
 
 @attrs.frozen(eq=False)
