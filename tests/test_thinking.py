@@ -5,15 +5,26 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
+import jsonschema
 import pytest
 
 from runtime_glue.cli.main import main as cli
+from runtime_glue.engine.core import InvalidRequest
 from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.reasoning import (
+    ANSWER,
+    PARSERS,
+    THINKING,
+    ReasoningMatcher,
+    ReasoningStream,
+    ThinkingTags,
+    reasoning_parser,
+)
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.ouro.toy import THINK_END, THINK_START
-from runtime_glue.server.reasoning import PARSERS, ReasoningStream, reasoning_parser
 from tests.server_helpers import ServerProcess
 
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -24,6 +35,13 @@ def thinking(tmp_path_factory):
     out = tmp_path_factory.mktemp("thinking") / "ckpt"
     assert cli(["toy-checkpoint", str(out), "--thinking"]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def r1(thinking):
+    """The Thinking-layout toy with deepseek_r1's parser, deterministic (speculation exact)."""
+    return LLM(thinking, block_size=16, num_blocks=64, deterministic=True,
+               reasoning_parser="deepseek_r1")  # fmt: skip
 
 
 def test_the_think_tags_are_tokens_the_model_can_write_and_the_text_keeps(thinking):
@@ -104,36 +122,50 @@ def test_streamed_pieces_add_up_to_the_whole_split_whatever_the_cuts(name):
         reasoning_parser("r1")
 
 
-# Generated text with a reasoning block: a grammar makes the random weights write words, the
-# end tag (the checkpoint's token) and more words.
-SHAPED = {"regex": "[a-z]{3,8} [a-z]{3,8}</think>[a-z]{2,6}"}
+# Generated text with a reasoning block: a budget of 6 ends the random weights' reasoning with
+# the end tag (the checkpoint's token), then a grammar makes them write a word.
+ANSWER_WORD = "[a-z]{2,6}"
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"enum": [2, 3]}},
+    "required": ["a", "b"], "additionalProperties": False}}}]  # fmt: skip
+
+
+def _post(server, body) -> httpx.Response:
+    return httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
 
 
 def test_the_server_splits_what_the_model_wrote_whole_streamed_or_left_out(thinking):
     plain = ServerProcess(thinking)
     parsed = ServerProcess(thinking, "--reasoning-parser", "deepseek_r1")
     body = {"model": "toy", "messages": CHAT, "max_tokens": 24, "temperature": 0,
-            "structured_outputs": SHAPED, "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+            "thinking_token_budget": 6, "structured_outputs": {"regex": ANSWER_WORD},
+            "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
     try:
+        refused = _post(plain, body)  # a budget needs a parser
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "thinking_token_budget"
+        shaped = {**body, "structured_outputs": {"regex": f"[a-z]{{3,8}}{THINK_END}[a-z]{{2}}"}}
+        del shaped["thinking_token_budget"]
+        raw = _post(plain, shaped).json()  # no parser: one content, tags and all, no count
+        assert THINK_END in raw["choices"][0]["message"]["content"]
+        assert "reasoning" not in raw["choices"][0]["message"]
+        assert "completion_tokens_details" not in raw["usage"]
+
         ids = {"logprobs": True, "return_tokens_as_token_ids": True}
-        raw = httpx.post(plain.base + "/v1/chat/completions", json={**body, **ids}, timeout=60)
-        raw = raw.json()
-        text = raw["choices"][0]["message"]["content"]
-        assert THINK_END in text and "reasoning" not in raw["choices"][0]["message"]
-        assert "completion_tokens_details" not in raw["usage"]  # no parser, no count
-        reasoning, answer = text.split(THINK_END, 1)
-        tokens = [t["token"] for t in raw["choices"][0]["logprobs"]["content"]]
-        end = LLM(thinking, block_size=16, num_blocks=16).tokenizer.convert_tokens_to_ids(THINK_END)
-        thought = tokens.index(f"token_id:{end}") + 1  # the reasoning's tokens, its tags too
-        whole = httpx.post(parsed.base + "/v1/chat/completions", json=body, timeout=60).json()
+        whole = _post(parsed, {**body, **ids}).json()
         message = whole["choices"][0]["message"]
+        tokens = [int(t["token"][9:]) for t in whole["choices"][0]["logprobs"]["content"]]
+        tok = LLM(thinking, block_size=16, num_blocks=16).tokenizer
+        end = tok.convert_tokens_to_ids(THINK_END)
+        assert tokens.index(end) == 6  # the budget's reasoning tokens, then the tag forced
+        reasoning = tok.decode(tokens[:6])
         assert message["reasoning"] == message["reasoning_content"] == reasoning
-        assert message["content"] == answer
-        assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
-        assert whole["usage"]["completion_tokens"] == len(tokens) > thought
-        left_out = {**body, "include_reasoning": False}
-        message = httpx.post(parsed.base + "/v1/chat/completions", json=left_out, timeout=60)
-        message = message.json()["choices"][0]["message"]
+        answer = message["content"]
+        assert re.fullmatch(ANSWER_WORD, answer) and tok.decode(tokens[7:]) == answer
+        assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
+        assert whole["usage"]["completion_tokens"] == len(tokens) > 7
+        left_out = _post(parsed, {**body, "include_reasoning": False}).json()
+        message = left_out["choices"][0]["message"]
         assert "reasoning" not in message and message["content"] == answer
         got = {"reasoning": "", "content": ""}
         order = []
@@ -152,8 +184,172 @@ def test_the_server_splits_what_the_model_wrote_whole_streamed_or_left_out(think
                             got[key] += choice["delta"][key]
                             order.append(key)
         assert got == {"reasoning": reasoning, "content": answer}
-        assert usage["completion_tokens_details"] == {"reasoning_tokens": thought}
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 7}
         assert order.index("content") > max(i for i, k in enumerate(order) if k == "reasoning")
+
+        # reasoning_effort as a budget: "none" ends the block at once; unknown efforts refused
+        effort = {k: v for k, v in body.items() if k != "thinking_token_budget"}
+        none = _post(parsed, {**effort, **ids, "reasoning_effort": "none"}).json()
+        first = none["choices"][0]["logprobs"]["content"][0]["token"]
+        assert first == f"token_id:{end}" and none["choices"][0]["message"]["reasoning"] is None
+        bad = _post(parsed, {**effort, "reasoning_effort": "extreme"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+        assert _post(plain, {**effort, "reasoning_effort": "extreme"}).status_code == 200
+
+        # a tool call after the thinking, parsed from the answer only
+        call = {**body, "tools": TOOLS, "tool_choice": "required", "max_tokens": 48}
+        del call["structured_outputs"]
+        out = _post(parsed, call).json()["choices"][0]
+        assert out["finish_reason"] == "tool_calls" and out["message"]["reasoning"]
+        (tool_call,) = out["message"]["tool_calls"]
+        assert tool_call["function"]["name"] == "add"
+        args = json.loads(tool_call["function"]["arguments"])
+        assert args["a"] in (1, 2) and args["b"] in (2, 3)
     finally:
         plain.stop()
         parsed.stop()
+
+
+# -- the engine: grammars after the reasoning, thinking budgets ------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": [3, 4, 5]}, "why": {"type": "string", "maxLength": 8}},
+    "required": ["answer", "why"],
+    "additionalProperties": False,
+}
+OPENED = {"enable_thinking": True}
+JSON = {"json": SCHEMA, "disable_any_whitespace": True}
+
+
+def _tags(llm) -> tuple[int, int]:
+    return tuple(llm.tokenizer.convert_tokens_to_ids([THINK_START, THINK_END]))
+
+
+def _json_after_thinking(budget: int, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=64, structured_outputs=JSON,
+                          thinking_token_budget=budget, **extra)  # fmt: skip
+
+
+def test_a_schema_answer_follows_free_reasoning_that_the_budget_ends(r1):
+    start, end = _tags(r1)
+    [out] = r1.chat(CHAT, _json_after_thinking(5), chat_template_kwargs=OPENED)
+    got = out.outputs[0]
+    tokens = list(got.token_ids)
+    assert tokens.index(end) == 5 and got.finish_reason == "stop"  # 5 tokens, then forced
+    assert got.reasoning == r1.tokenizer.decode(tokens[:5])
+    jsonschema.validate(json.loads(got.content), SCHEMA)
+    assert got.text == got.reasoning + THINK_END + got.content
+    # the reasoning is the model's own: the grammar would never have allowed its first token
+    compiler = r1.engine.grammar_compiler()
+    assert not compiler.matcher(compiler.compile(_spec(r1))).accept(tokens[0])
+    # without the parser the grammar holds from the first token and nothing is reasoning
+    plain = LLM(r1.model_dir, block_size=16, num_blocks=64, deterministic=True)
+    params = SamplingParams(max_tokens=64, structured_outputs=JSON)
+    [flat] = plain.chat(CHAT, params, chat_template_kwargs=OPENED)
+    assert end not in flat.outputs[0].token_ids and flat.outputs[0].reasoning is None
+    jsonschema.validate(json.loads(flat.outputs[0].content), SCHEMA)
+
+
+def _spec(llm):
+    from runtime_glue.engine.structured import parse_structured
+
+    return parse_structured(JSON)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3])
+def test_the_budget_forces_the_end_tag_whether_or_not_the_model_opened_the_block(thinking, budget):
+    """deepseek_r1 with a prompt that opened nothing: the output thinks from its first token;
+    qwen3: a block the model opens itself (a bias makes it) is bounded the same way."""
+    for name, bias in (("deepseek_r1", {}), ("qwen3", "start")):
+        llm = LLM(thinking, block_size=16, num_blocks=32, reasoning_parser=name)
+        start, end = _tags(llm)
+        logit_bias = {start: 100.0} if bias else {}
+        params = SamplingParams(max_tokens=12, thinking_token_budget=budget,
+                                logit_bias=logit_bias, ignore_eos=True)  # fmt: skip
+        [out] = llm.chat(CHAT, params)
+        tokens = list(out.outputs[0].token_ids)
+        opened = 1 if bias else 0  # the model's own <think> is not reasoning it is charged for
+        assert tokens[:opened] == [start] * opened, name
+        assert tokens.index(end) == opened + budget, (name, tokens)
+
+
+def test_a_prompt_that_closed_the_block_leaves_everything_to_the_answer(thinking):
+    llm = LLM(thinking, block_size=16, num_blocks=32, reasoning_parser="deepseek_r1")
+    tok, parser = llm.tokenizer, llm.reasoning
+    assert parser.prompt_opens(tok.decode, tok.encode("hi<|im_start|>assistant\n<think>\n")) is True
+    assert parser.prompt_opens(tok.decode, tok.encode("a<think>\n\n</think>\n\n")) is False
+    assert parser.prompt_opens(tok.decode, tok.encode("<|im_start|>assistant\n")) is None
+    closed = "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n\n</think>\n\n"
+    params = SamplingParams(max_tokens=24, structured_outputs=JSON,
+                            thinking_token_budget=2)  # fmt: skip
+    [out] = llm.chat(CHAT, params, chat_template=closed)
+    got = out.outputs[0]
+    assert got.reasoning is None and _tags(llm)[1] not in got.token_ids  # no budget spent
+    jsonschema.validate(json.loads(got.content), SCHEMA)
+
+
+def test_a_draft_that_crosses_the_end_tag_is_masked_by_the_right_state(r1):
+    """The masks after tokens taken ahead (a speculative verify's) equal those of accepting
+    them one by one, across the end tag and back (rollback)."""
+    start, end = _tags(r1)
+    compiler = r1.engine.grammar_compiler()
+    tags = ThinkingTags.of(r1.reasoning, r1.tokenizer)
+    assert tags == ThinkingTags(r1.reasoning, start, end)
+    vocab = r1.config.vocab_size
+
+    def fresh():
+        inner = compiler.matcher(compiler.compile(_spec(r1)))
+        return ReasoningMatcher(tags, THINKING, vocab, (0, 2), inner, budget=2)
+
+    brace = r1.tokenizer.encode("{", add_special_tokens=False)
+    drafts = [7, 9, end, *brace]
+    ahead = fresh()
+    masks, n = ahead.draft_masks(drafts)
+    assert n == len(drafts) and ahead.num_accepted == 0 and ahead.phase == THINKING
+    one = fresh()
+    for i, token in enumerate(drafts):
+        assert bool((masks[i] == one.allowed()).all()), i
+        assert one.accept(token)
+    assert bool((masks[-1] == one.allowed()).all()) and one.phase == ANSWER
+    assert masks[2].sum() == 1 and masks[2][end]  # the budget spent: the end tag alone
+    assert not masks[1][0] and masks[1][5]  # thinking: anything but EOS while a grammar waits
+    assert not masks[3][7]  # the answer's first token: the grammar's ("{" only)
+    one.rollback(2)
+    assert one.phase == THINKING and one.thought == 2 and not one.accept(5)  # forced again
+
+
+def test_speculation_and_replayed_graphs_give_the_same_reasoning_and_answer(r1, thinking):
+    params = _json_after_thinking(6)
+    [want] = r1.chat(CHAT, params, chat_template_kwargs=OPENED)
+    spec = r1.with_speculation(2, tokens=4)
+    [got] = spec.chat(CHAT, params, chat_template_kwargs=OPENED)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert spec.engine.stats["spec_verify_steps"] > 0
+    jsonschema.validate(json.loads(got.outputs[0].content), SCHEMA)
+    runs = {}
+    for graphs in (False, True):  # the emulated npu (a CPU test double), graphs replayed or not
+        npu = LLM(thinking, device="npu", block_size=16, num_blocks=32 + graphs,
+                  deterministic=True, step_graphs=graphs, reasoning_parser="deepseek_r1")  # fmt: skip
+        [out] = npu.chat(CHAT, params, chat_template_kwargs=OPENED)
+        runs[graphs] = out.outputs[0]
+        if graphs:
+            assert npu.engine.graphs is not None and npu.engine.graphs.stats["graph_steps"] > 0
+    assert runs[True].token_ids == runs[False].token_ids
+    assert runs[True].content == runs[False].content and runs[True].reasoning is not None
+
+
+def test_budgets_and_tags_are_refused_where_they_cannot_hold(r1, tiny_ckpt):
+    plain = LLM(r1.model_dir, block_size=16, num_blocks=16)
+    with pytest.raises(InvalidRequest, match="needs a reasoning parser") as exc:
+        plain.generate([[5, 6]], SamplingParams(thinking_token_budget=3))
+    assert exc.value.param == "thinking_token_budget"
+    with pytest.raises(ValueError, match="thinking_token_budget must be >= 0"):
+        SamplingParams(thinking_token_budget=-1)
+    no_tags = LLM(tiny_ckpt, block_size=16, num_blocks=16, reasoning_parser="deepseek_r1")
+    with pytest.raises(InvalidRequest, match="'<think>' is 5 tokens of this tokenizer, not one"):
+        no_tags.generate([[5, 6]], SamplingParams(thinking_token_budget=3))
+    # a parser alone masks nothing for a request without a grammar or budget
+    r1.engine.add_request("free", [5, 6], SamplingParams(max_tokens=2))
+    assert r1.engine.requests["free"].matcher is None
+    r1.engine.abort_request("free")

@@ -320,6 +320,17 @@ class EngineArgs:
         metavar="K",
     )
 
+    # Thinking models (runtime_glue.engine.reasoning).
+    reasoning_parser: str | None = cli_field(
+        None,
+        "split a Thinking model's <think> ... </think> from its answer: chat responses carry "
+        "it as message.reasoning (and reasoning_content), streams as delta.reasoning, LLM.chat "
+        "as output.reasoning; a grammar or tool call starts after it, and requests may bound "
+        "it with thinking_token_budget (vLLM's flag; deepseek_r1: the opening tag optional, as when the template opened the "
+        "block; qwen3: only an opened block is reasoning)",
+        choices=("deepseek_r1", "qwen3"),
+    )
+
     # Pairs the command line takes one of: --model or --preset, and every pair the engine
     # refuses whenever both are given (runtime_glue.engine.refusals).
     EXCLUSIVE = (("model", "preset"), *((a, b) for a, x, b, y, _ in REFUSED if x is y is SET))

@@ -37,6 +37,7 @@ from runtime_glue.engine.graphs import Replayed, StepGraphRunner, group_limits
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.kv_placement import KVPlacement, PerDepth
 from runtime_glue.engine.output import Outputs, request_output
+from runtime_glue.engine.reasoning import ReasoningMatcher, ReasoningParser, ThinkingTags
 from runtime_glue.engine.request import Request, RequestUpdate, Status
 from runtime_glue.engine.sampler import Sampled, Sampler
 from runtime_glue.engine.sampling import SamplingParams
@@ -69,6 +70,7 @@ class Engine:
         kv: KVPlacement | None = None,
         speculative: SpeculativeConfig | None = None,
         grammars: Callable[[], GrammarCompiler] | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         """``prefix_salt``: what besides the tokens decides a block's K/V (the checkpoint, the
         execution plan); prefix-cache hashes start from it, so engines sharing one allocator
@@ -76,7 +78,9 @@ class Engine:
         and replay them (``runtime_glue.engine.graphs``). ``kv``: where requests' K/V lives
         (``runtime_glue.engine.kv_placement``; default: every plane of every position).
         ``speculative``: draft with the first loops. ``grammars``: makes the structured-output
-        compiler, on first use (``runtime_glue.engine.structured``)."""
+        compiler, on first use (``runtime_glue.engine.structured``). ``reasoning``: a Thinking
+        model's parser: grammars start after the reasoning, budgets bound it
+        (``runtime_glue.engine.reasoning``)."""
         self.model = model
         self.prefix_salt = prefix_salt
         self.device = device
@@ -112,6 +116,8 @@ class Engine:
         self.followers: dict[str, list[Request]] = {}  # n > 1: leader id -> who waits on it
         self._grammars = grammars
         self._compiler: GrammarCompiler | None = None
+        self.reasoning = reasoning
+        self._tags: ThinkingTags | str | None = None
 
     def _speculator(self, speculative: SpeculativeConfig | None) -> Speculator | None:
         if speculative is None:
@@ -224,11 +230,7 @@ class Engine:
             req.block_hashes = self.allocator.block_hashes(req.prompt_ids, salt)
         own = ExitMode(params.exit_at_step, params.exit_threshold, params.weighted_exit)
         req.exit_mode = own.or_default(self.model.plan.exit_defaults)
-        if params.structured_outputs is not None:  # the compiler is made on first use
-            compiler = self.grammar_compiler()
-            compiled = compile_grammar(compiler, params)
-            assert compiler is not None and compiled is not None
-            req.matcher = compiler.matcher(compiled)
+        req.matcher = self._matcher(req)
         self.requests[request_id] = req
         leader = self.requests.get(follows) if follows is not None else None
         if leader is not None and leader.prompt_ids == req.prompt_ids and leader.in_prefill:
@@ -236,6 +238,35 @@ class Engine:
             self.followers.setdefault(leader.request_id, []).append(req)
         else:
             self.scheduler.waiting.append(req)
+
+    def _matcher(self, req: Request):
+        """A request's mask: its grammar (the compiler is made on first use), from the end of
+        the reasoning with a reasoning parser, and its thinking budget."""
+        params, inner = req.params, None
+        if params.structured_outputs is not None:
+            compiler = self.grammar_compiler()
+            compiled = compile_grammar(compiler, params)
+            assert compiler is not None and compiled is not None
+            inner = compiler.matcher(compiled)
+        if self.reasoning is None or (inner is None and params.thinking_token_budget is None):
+            return inner
+        tags = self.thinking_tags()
+        assert isinstance(tags, ThinkingTags)  # (validate refused the request otherwise)
+        opened = self.reasoning.prompt_opens(self.tokenizer.decode, req.prompt_ids)
+        return ReasoningMatcher(
+            tags, self.reasoning.begins(opened), self.model.cfg.vocab_size,
+            sorted(self.eos_token_ids), inner, params.thinking_token_budget,
+        )  # fmt: skip
+
+    def thinking_tags(self) -> ThinkingTags | str | None:
+        """The reasoning parser's tags as this tokenizer's ids, or why they cannot be followed
+        (None without a parser)."""
+        if self._tags is None and self.reasoning is not None:
+            if self.tokenizer is None:
+                self._tags = "the engine has no tokenizer (build it with LLM)"
+            else:
+                self._tags = ThinkingTags.of(self.reasoning, self.tokenizer)
+        return self._tags
 
     def grammar_compiler(self) -> GrammarCompiler | None:
         """The structured-output compiler (made on first use), or None without a tokenizer."""

@@ -18,6 +18,7 @@ from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import Engine, EngineConfig, InvalidRequest
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.kv_placement import placement_for
+from runtime_glue.engine.reasoning import reasoning_parser
 from runtime_glue.engine.refusals import DEFAULT_SPECULATIVE_TOKENS, check_engine, why_not
 from runtime_glue.engine.results import (  # noqa: F401 - CompletionOutput: re-exported
     CompletionOutput,
@@ -128,6 +129,7 @@ class LLM:
         check_static_activations(args, stored)
         self.args, self.model_dir, self.stored_quantization = args, model_dir, stored
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.reasoning = reasoning_parser(args.reasoning_parser)
         registry = registry or default_registry()
         self.driver = registry.create(args.device, **(driver_options or {}))
         self.driver.device.initialize()
@@ -233,6 +235,7 @@ class LLM:
             speculative=self.speculative,
             grammars=self._grammar_compiler,
             max_model_len=self.args.max_model_len,
+            reasoning=self.reasoning,
         )
         limit = self.args.max_model_len
         if limit is not None and self.engine.request_capacity(1) < limit:
@@ -364,7 +367,23 @@ class LLM:
         texts, ids = zip(
             *(render_chat(self.tokenizer, c, **kwargs) for c in conversations), strict=True
         )
-        return self._run(list(texts), list(ids), sampling_params, False)
+        results = self._run(list(texts), list(ids), sampling_params, False)
+        return [self._answers(r) for r in results]
+
+    def _answers(self, result: RequestOutput) -> RequestOutput:
+        """A chat result's outputs with their answer (``content``) apart from their reasoning,
+        as a server's message has them (no reasoning parser: all answer)."""
+        parser = self.reasoning
+        if parser is None:
+            outputs = [attrs.evolve(o, content=o.text) for o in result.outputs]
+        else:
+            opened = parser.prompt_opens(self.tokenizer.decode, result.prompt_token_ids)
+            split = [parser.split(o.text, opened) for o in result.outputs]
+            outputs = [
+                attrs.evolve(o, reasoning=r, content=c)
+                for o, (r, c) in zip(result.outputs, split, strict=True)
+            ]
+        return attrs.evolve(result, outputs=outputs)
 
     def _run(
         self,

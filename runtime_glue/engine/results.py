@@ -24,6 +24,10 @@ class CompletionOutput:
     logprobs: tuple[dict, ...] | None = None
     prompt_logprobs: tuple[dict | None, ...] | None = None
     index: int = 0  # which of the prompt's n samples
+    # LLM.chat's answer, with a reasoning parser apart from the reasoning (a server's
+    # message.content and message.reasoning); generate leaves both None.
+    reasoning: str | None = None
+    content: str | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

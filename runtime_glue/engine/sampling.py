@@ -89,6 +89,9 @@ class SamplingParams:
     # {"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": ...}; or a parsed
     # StructuredSpec (the server's, from response_format, keeps its ``strict``).
     structured_outputs: Mapping[str, Any] | StructuredSpec | None = None
+    # vLLM's: with a reasoning parser, after this many reasoning tokens the end tag is forced
+    # (runtime_glue.engine.reasoning); None: unbounded.
+    thinking_token_budget: int | None = None
     # vLLM's detokenizing controls: special tokens left out of the text (the default), and a
     # stop string kept at the end of the text that it ended. spaces_between_special_tokens is
     # accepted for vLLM's sake: fast tokenizers (the only kind loaded) decode without it.
@@ -122,6 +125,10 @@ class SamplingParams:
             )
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise ValueError(
+                f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

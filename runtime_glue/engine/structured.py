@@ -244,7 +244,51 @@ class GrammarCompiler:
         return Matcher(self, c if isinstance(c, CompiledGrammar) else self.compile(c))
 
 
-class Matcher:
+class MaskSteps:
+    """The masks of tokens taken ahead, for any matcher with ``accept``, ``allowed`` and
+    ``rollback`` (``Matcher``; ``reasoning.ReasoningMatcher``)."""
+
+    vocab_size: int
+
+    def accept(self, token_id: int) -> bool:
+        raise NotImplementedError
+
+    def rollback(self, n: int) -> None:
+        raise NotImplementedError
+
+    def allowed(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def allowed_after(self, drafted: Sequence[int]) -> torch.Tensor:
+        """The mask after ``drafted``, tokens taken ahead of the accepted ones (a speculative
+        round's drafts before a draft or verify row), the matcher left as it was."""
+        if not drafted:
+            return self.allowed()
+        masks, _ = self.draft_masks(drafted)
+        return masks[-1]
+
+    def draft_masks(
+        self, drafts: Sequence[int], out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """The masks of a speculative verify: row ``i`` is the mask after accepting
+        ``drafts[:i]`` (row 0: now), ``[len(drafts) + 1, vocab_size]``. Also returns how many
+        drafts the grammar allows in a row; later rows repeat the last valid one (the verify
+        rejects there anyway). The matcher ends where it began."""
+        k = len(drafts)
+        out = torch.empty(k + 1, self.vocab_size, dtype=torch.bool) if out is None else out
+        n = 0
+        self.allowed(out[0])
+        for token in drafts:
+            if not self.accept(token):
+                break
+            n += 1
+            self.allowed(out[n])
+        out[n + 1 :] = out[n]
+        self.rollback(n)
+        return out, n
+
+
+class Matcher(MaskSteps):
     """One request's position in its grammar. Not thread-safe (a request is one thread's)."""
 
     def __init__(self, compiler: GrammarCompiler, compiled: CompiledGrammar):
@@ -320,31 +364,3 @@ class Matcher:
             )
         blocked = torch.from_numpy(np.logical_not(self._fill(), out=self._blocked))
         logits.masked_fill_(blocked.to(logits.device), float("-inf"))
-
-    def allowed_after(self, drafted: Sequence[int]) -> torch.Tensor:
-        """The mask after ``drafted``, tokens taken ahead of the accepted ones (a speculative
-        round's drafts before a draft or verify row), the matcher left as it was."""
-        if not drafted:
-            return self.allowed()
-        masks, _ = self.draft_masks(drafted)
-        return masks[-1]
-
-    def draft_masks(
-        self, drafts: Sequence[int], out: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, int]:
-        """The masks of a speculative verify: row ``i`` is the mask after accepting
-        ``drafts[:i]`` (row 0: now), ``[len(drafts) + 1, vocab_size]``. Also returns how many
-        drafts the grammar allows in a row; later rows repeat the last valid one (the verify
-        rejects there anyway). The matcher ends where it began."""
-        k = len(drafts)
-        out = torch.empty(k + 1, self.vocab_size, dtype=torch.bool) if out is None else out
-        n = 0
-        self.allowed(out[0])
-        for token in drafts:
-            if not self.accept(token):
-                break
-            n += 1
-            self.allowed(out[n])
-        out[n + 1 :] = out[n]
-        self.rollback(n)
-        return out, n

@@ -46,6 +46,7 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
     if params.structured_outputs is not None:
         # an invalid schema, regex or grammar is refused before compute
         compile_grammar(engine.grammar_compiler(), params)
+    _check_reasoning(engine, params)
     vocab = engine.model.cfg.vocab_size
     for name, ids in (
         ("prompt", prompt_token_ids),
@@ -79,6 +80,22 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
             "--max-num-batched-tokens or set --prefill-chunk-size",
             "prompt",
         )
+
+
+def _check_reasoning(engine: Any, params: SamplingParams) -> None:
+    """A thinking budget needs a reasoning parser; it, and a grammar after the reasoning, need
+    the parser's tags as single tokens."""
+    budget = params.thinking_token_budget is not None
+    if budget and engine.reasoning is None:
+        raise InvalidRequest(
+            "thinking_token_budget needs a reasoning parser (--reasoning-parser)",
+            "thinking_token_budget",
+        )
+    if budget or params.structured_outputs is not None:
+        why = engine.thinking_tags()
+        if isinstance(why, str):
+            param = "thinking_token_budget" if budget else "structured_outputs"
+            raise InvalidRequest(f"{param} with --reasoning-parser: {why}", param)
 
 
 def compile_grammar(

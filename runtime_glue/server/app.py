@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import InvalidRequest
 from runtime_glue.engine.llm import build_llm
+from runtime_glue.engine.reasoning import effort_budget
 from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.structured import StructuredOutputError, StructuredSpec
@@ -42,7 +43,6 @@ from runtime_glue.server.protocol import (
     UnsupportedValue,
     check_template_kwargs,
 )
-from runtime_glue.server.reasoning import reasoning_parser as reasoning_parser_named
 from runtime_glue.server.render import Choice, Render
 from runtime_glue.server.routes import plan_choices, respond
 from runtime_glue.server.tokenizer_api import install_tokenizer_routes
@@ -68,7 +68,6 @@ class Server:
             json_whitespace=None if options.json_whitespace == "any" else options.json_whitespace,
             trust_request_chat_template=options.trust_request_chat_template,
             log_requests=options.enable_log_requests,
-            reasoning_parser=options.reasoning_parser,
         )
 
     def __init__(
@@ -82,10 +81,9 @@ class Server:
         json_whitespace: str | None = DEFAULT_JSON_WHITESPACE,
         trust_request_chat_template: bool = False,
         log_requests: bool = False,
-        reasoning_parser: str | None = None,
     ) -> None:
         self.llm = llm
-        self.reasoning = reasoning_parser_named(reasoning_parser)
+        self.reasoning = llm.reasoning  # --reasoning-parser, an engine option
         self.log_requests = log_requests
         if log_requests and not request_log.handlers:
             handler = logging.StreamHandler(sys.stderr)
@@ -151,6 +149,7 @@ class Server:
             body.check_supported()
             spec = self._structured(body, tools)
             params = body.sampling_params(self._default_max_tokens(body, prompts), spec)
+            params = self._thinking_budget(body, params)
         except (UnsupportedValue, StructuredOutputError) as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except ValueError as exc:  # SamplingParams' checks begin with the field's name
@@ -162,6 +161,19 @@ class Server:
         else:  # compiling a grammar takes a while: off the event loop
             await asyncio.to_thread(self._validate, body, prompts, params)
         return plan_choices(prompts, params, body.n)
+
+    def _thinking_budget(self, body, params: SamplingParams) -> SamplingParams:
+        """With a reasoning parser, a chat request's ``reasoning_effort`` bounds its thinking
+        (``reasoning.EFFORT_BUDGETS``) unless it gives ``thinking_token_budget``; without one
+        the field is accepted and changes nothing, as for any model that does not think."""
+        effort = getattr(body, "reasoning_effort", None)
+        if self.reasoning is None or effort is None or params.thinking_token_budget is not None:
+            return params
+        try:
+            budget = effort_budget(effort)
+        except ValueError as exc:
+            raise UnsupportedValue("reasoning_effort", str(exc)) from None
+        return attrs.evolve(params, thinking_token_budget=budget)
 
     def _default_max_tokens(self, body, prompts: list[list[int]]) -> int:
         """A request's max_tokens where it gives none: completions, ``--default-max-tokens``;
@@ -239,6 +251,12 @@ class Server:
                 given = await self.tokenizing.run(len(ids), _decoder(ids))
             texts.append(given)
         return texts
+
+    def prompt_opens(self, ids: list[int]) -> bool | None:
+        """Whether a chat prompt opened the reasoning block, closed it, or neither."""
+        if self.reasoning is None:
+            return None
+        return self.reasoning.prompt_opens(self.tokenizing.tokenizer.decode, ids)
 
     def decode_one(self, token: int) -> str:
         return self.tokenizing.tokenizer.decode([token])
@@ -368,7 +386,8 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         choices = await server.prepare(body, prompts, tools)
         chat = isinstance(body, ChatCompletionRequest)
         texts = await server.prompt_texts(body, prompts)
-        render = Render(chat, body, server.decode_one, texts, tools, server.reasoning)
+        opened = server.prompt_opens(prompts[0]) if chat else None
+        render = Render(chat, body, server.decode_one, texts, tools, server.reasoning, opened)
         rid = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sends
         shown = f"{prefix}-{body.request_id}" if body.request_id else rid  # vLLM's request_id
         if server.log_requests:

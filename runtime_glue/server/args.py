@@ -33,14 +33,6 @@ class ServerArgs:
         "use a chat_template a chat request gives (vLLM's flag; else such a request is a 400)",
         action="store_true",
     )
-    reasoning_parser: str | None = cli_field(
-        None,
-        "split a Thinking model's <think> ... </think> from its answer: chat responses carry "
-        "it as message.reasoning (and reasoning_content), streams as delta.reasoning "
-        "(vLLM's flag; deepseek_r1: the opening tag optional, as when the template opened the "
-        "block; qwen3: only an opened block is reasoning)",
-        choices=("deepseek_r1", "qwen3"),
-    )
     enable_log_requests: bool = cli_field(
         False,
         "log each request on standard error as it is admitted: its id, the caller's user and "

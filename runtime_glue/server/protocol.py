@@ -94,6 +94,8 @@ class _SamplingFields(BaseModel):
     # Structured outputs (runtime_glue.engine.structured): OpenAI's and vLLM's fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: with --reasoning-parser, the end tag forced after this many reasoning tokens.
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
     # vLLM's: a scheduling priority, which its default first-come-first-served policy (and
     # rlt-hal's only one) refuses unless 0.
     priority: int = 0
@@ -175,6 +177,7 @@ class _SamplingFields(BaseModel):
             logprobs=self._logprobs(),
             prompt_logprobs=self._prompt_logprobs(),
             structured_outputs=structured,
+            thinking_token_budget=self.thinking_token_budget,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -263,9 +266,9 @@ class CompletionRequest(_SamplingFields):
 
 
 # OpenAI chat fields that change nothing here, accepted as OpenAI defines them (README, "The
-# request schema"): storage, billing and routing hints, and reasoning effort (a thinking
-# budget is issue 46's). The openai package's own list of fields is the test's
-# (tests/test_server_surface.py).
+# request schema"): storage, billing and routing hints, and reasoning effort (with a reasoning
+# parser, a thinking budget: Server.prepare). The openai package's own list of fields is the
+# test's (tests/test_server_surface.py).
 NO_EFFECT = (
     "metadata",
     "moderation",

@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import attrs
 
+from runtime_glue.engine.reasoning import ReasoningParser, ReasoningStream
 from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server import logprobs as lp
-from runtime_glue.server.reasoning import ReasoningParser, ReasoningStream
 from runtime_glue.server.tools import AutoStream, ToolPlan
 
 
@@ -38,12 +38,17 @@ def stable_text(text: str, finished: bool) -> str:
 class Progress:
     """What one choice of a stream has sent so far."""
 
-    def __init__(self, tools: ToolPlan | None, reasoning: ReasoningParser | None = None) -> None:
+    def __init__(
+        self,
+        tools: ToolPlan | None,
+        reasoning: ReasoningParser | None = None,
+        opened: bool | None = None,
+    ) -> None:
         self.text, self.tokens, self.exit_steps, self.opened = "", 0, 0, False
         self.last: RequestUpdate | None = None
         self.auto = AutoStream() if tools is not None and tools.mode == "auto" else None
         self.logprobs: lp.CompletionLogprobs | None = None
-        self.reasoning = ReasoningStream(reasoning) if reasoning is not None else None
+        self.reasoning = ReasoningStream(reasoning, opened) if reasoning is not None else None
 
     def content(self) -> str:
         """The answer sent or known so far (with a reasoning parser: after the reasoning)."""
@@ -72,9 +77,11 @@ class Render:
         prompt_texts: list[str] | None = None,
         tools: ToolPlan | None = None,
         reasoning: ReasoningParser | None = None,
+        opened: bool | None = None,
     ) -> None:
         self.chat, self.body, self.decode = chat, body, decode
         self.reasoning = reasoning if chat else None
+        self.opened = opened  # what the prompt did to the reasoning block (prompt_opens)
         self.prompt_texts, self.tools = prompt_texts or [], tools
         self.echo = not chat and body.echo
         self.object = "chat.completion" if chat else "text_completion"
@@ -112,7 +119,7 @@ class Render:
         """How many of the output's tokens are its reasoning: up to the end tag's last one (the
         tags count), all of an output still thinking, none of one without reasoning."""
         assert self.reasoning is not None
-        reasoning, content = self.reasoning.split(out.text)
+        reasoning, content = self.reasoning.split(out.text, self.opened)
         if reasoning is None and content is not None:
             return 0
         text = ""
@@ -126,7 +133,7 @@ class Render:
         """A chat output's reasoning and answer (no parser: all answer)."""
         if self.reasoning is None:
             return None, text
-        return self.reasoning.split(text)
+        return self.reasoning.split(text, self.opened)
 
     def extras(self, finals: dict[int, RequestUpdate]) -> dict:
         """Response-level fields: chat's ``prompt_logprobs`` (one prompt: choice 0's)."""

@@ -141,7 +141,9 @@ class _Stream:
     def __init__(self, render: Render, head: dict, choices: list[Choice], body) -> None:
         self.render, self.choices, self.body = render, choices, body
         self.chunk = {**head, "object": render.chunk_object}
-        self.progress = {c.index: Progress(render.tools, render.reasoning) for c in choices}
+        self.progress = {
+            c.index: Progress(render.tools, render.reasoning, render.opened) for c in choices
+        }
 
     def _event(self, choice: Choice, payload: dict, completion_tokens: int) -> str:
         event = {**self.chunk, "choices": [payload]}
