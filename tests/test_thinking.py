@@ -9,6 +9,7 @@ import re
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 from runtime_glue.cli.main import main as cli
@@ -186,6 +187,25 @@ def test_the_server_splits_what_the_model_wrote_whole_streamed_or_left_out(think
         assert got == {"reasoning": reasoning, "content": answer}
         assert usage["completion_tokens_details"] == {"reasoning_tokens": 7}
         assert order.index("content") > max(i for i, k in enumerate(order) if k == "reasoning")
+
+        # the openai SDK reads both, whole and streamed (vLLM's extra fields on its models)
+        client = openai.OpenAI(base_url=parsed.base + "/v1", api_key="unused")
+        sdk_body = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens")}
+        sdk = client.chat.completions.create(model="toy", messages=CHAT, max_tokens=24,
+                                             extra_body=sdk_body)  # fmt: skip
+        assert (sdk.choices[0].message.reasoning, sdk.choices[0].message.content) == (
+            reasoning,
+            answer,
+        )
+        assert sdk.usage.completion_tokens_details.reasoning_tokens == 7
+        parts = {"reasoning": "", "content": ""}
+        for chunk in client.chat.completions.create(
+            model="toy", messages=CHAT, max_tokens=24, stream=True, extra_body=sdk_body
+        ):
+            delta = chunk.choices[0].delta
+            parts["reasoning"] += getattr(delta, "reasoning", None) or ""
+            parts["content"] += delta.content or ""
+        assert parts == {"reasoning": reasoning, "content": answer}
 
         # reasoning_effort as a budget: "none" ends the block at once; unknown efforts refused
         effort = {k: v for k, v in body.items() if k != "thinking_token_budget"}
