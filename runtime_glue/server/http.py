@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime_glue.server.protocol import ApiError, error_body
+from runtime_glue.server.protocol import ApiError, error_body, param_name
 
 
 def json_error(status, message, type_="invalid_request_error", param=None, code=None):
@@ -58,21 +58,6 @@ def _replay(messages):
         return pending.pop(0) if pending else {"type": "http.disconnect"}
 
     return receive
-
-
-_UNION_BRANCHES = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def param_name(loc) -> str:
-    """A pydantic error location as the field's name in the request: ``messages[0].content``
-    (``body`` and the names pydantic gives a union's branches left out)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part != "body" and "[" not in part and part not in _UNION_BRANCHES:
-            out += f".{part}" if out else part
-    return out
 
 
 # vLLM's deprecated guided decoding fields -> the structured_outputs key that replaced each.

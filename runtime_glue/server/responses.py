@@ -33,8 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime_glue.server.http import param_name
-from runtime_glue.server.protocol import ApiError, ChatCompletionRequest
+from runtime_glue.server.protocol import ApiError, ChatCompletionRequest, param_name
 from runtime_glue.server.routes import ChunkStream, merged_outputs, respond
 
 MAX_STORED = 1000  # stored responses per server process (least recently used dropped)
