@@ -1,6 +1,6 @@
-"""The app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics here; the
-tokenizer endpoints (/tokenize, /detokenize, /tokenizer_info) and /version in
-``tokenizer_api``."""
+"""The app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics here;
+/v1/responses (on the chat pipeline) in ``responses``; the tokenizer endpoints (/tokenize,
+/detokenize, /tokenizer_info) and /version in ``tokenizer_api``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from runtime_glue.server.protocol import (
     check_template_kwargs,
 )
 from runtime_glue.server.render import Choice, Render
+from runtime_glue.server.responses import install_responses_routes
 from runtime_glue.server.routes import plan_choices, respond
 from runtime_glue.server.tokenizer_api import install_tokenizer_routes
 from runtime_glue.server.tokenizing import Tokenizing
@@ -378,7 +379,9 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         server.check_model(model_id)
         return card()
 
-    async def handle(body, request: Request, prefix: str):
+    async def handle(body, request: Request, prefix: str, answer=respond):
+        """Run a completions or chat request; ``answer`` turns its running choices into the
+        response (``routes.respond``; /v1/responses has its own)."""
         server.check_auth(request)
         server.check_model(body.model)  # before any tokenizing
         tools = server.tool_plan(body)
@@ -392,7 +395,7 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         shown = f"{prefix}-{body.request_id}" if body.request_id else rid  # vLLM's request_id
         if server.log_requests:
             server.log_request(shown, body, choices)
-        return await respond(server, body, choices, request, rid, render, shown)
+        return await answer(server, body, choices, request, rid, render, shown)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -402,6 +405,7 @@ def _install_routes(app: FastAPI, server: Server) -> None:
     async def chat(body: ChatCompletionRequest, request: Request):
         return await handle(body, request, "chatcmpl")
 
+    install_responses_routes(app, server, handle)
     install_tokenizer_routes(app, server)
 
 

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime_glue.server.protocol import ApiError, error_body
+from runtime_glue.server.protocol import ApiError, error_body, param_name
 
 
 def json_error(status, message, type_="invalid_request_error", param=None, code=None):
@@ -60,21 +60,6 @@ def _replay(messages):
     return receive
 
 
-_UNION_BRANCHES = {"str", "int", "float", "bool", "none", "dict", "list"}
-
-
-def _param(loc) -> str:
-    """A pydantic error location as the field's name in the request: ``messages[0].content``
-    (``body`` and the names pydantic gives a union's branches left out)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part != "body" and "[" not in part and part not in _UNION_BRANCHES:
-            out += f".{part}" if out else part
-    return out
-
-
 # vLLM's deprecated guided decoding fields -> the structured_outputs key that replaced each.
 GUIDED = {
     "guided_json": "json",
@@ -86,9 +71,9 @@ GUIDED = {
 }
 
 
-def unknown_field(param: str) -> str:
+def unknown_field(param: str, path: str = "") -> str:
     """The message for a field the schema lacks: where vLLM moved it, or what it may be a typo
-    of."""
+    of (among the fields of the endpoint at ``path``)."""
     if param in GUIDED:
         key = GUIDED[param]
         to = f'"structured_outputs": {{"{key}": ...}}' if key else "structured_outputs"
@@ -97,8 +82,14 @@ def unknown_field(param: str) -> str:
     if "." in param or "[" in param:
         return message
     from runtime_glue.server.protocol import ChatCompletionRequest, CompletionRequest
+    from runtime_glue.server.responses import CHAT_NAMES, ResponsesRequest
 
-    names = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    if path.startswith("/v1/responses"):
+        if param in CHAT_NAMES:  # a chat request's field, which the Responses API names anew
+            return message + f" (did you mean {CHAT_NAMES[param]!r}?)"
+        names = set(ResponsesRequest.model_fields)
+    else:
+        names = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     close = difflib.get_close_matches(param, sorted(names), 1)
     return message + (f" (did you mean {close[0]!r}?)" if close else "")
 
@@ -109,13 +100,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request, exc: RequestValidationError):
+    async def _validation(request, exc: RequestValidationError):
         err = exc.errors()[0]
-        param = _param(err.get("loc", ()))
+        param = param_name(err.get("loc", ()))
         if err.get("type") == "json_invalid":
             return json_error(400, "the request body is not valid JSON")
         if err.get("type") == "extra_forbidden":
-            return json_error(400, unknown_field(param), param=param)
+            return json_error(400, unknown_field(param, request.url.path), param=param)
         return json_error(400, f"{param or 'body'}: {err.get('msg')}", param=param or None)
 
     @app.exception_handler(StarletteHTTPException)

@@ -399,3 +399,18 @@ def check_continuation(add_generation_prompt: bool, continue_final_message: bool
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+_UNION_BRANCHES = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def param_name(loc) -> str:
+    """A pydantic error location as the field's name in the request: ``messages[0].content``
+    (``body`` and the names pydantic gives a union's branches left out)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "body" and "[" not in part and part not in _UNION_BRANCHES:
+            out += f".{part}" if out else part
+    return out

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
-from runtime_glue.server.protocol import ApiError, error_body
+from runtime_glue.server.protocol import ApiError
 from runtime_glue.server.render import Choice, Progress, Render
 
 
@@ -60,7 +60,7 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _merged(
+async def merged_outputs(
     server, choices: list[Choice], rid: str, request
 ) -> AsyncIterator[tuple[Choice, RequestUpdate]]:
     """Every choice's engine outputs, as they come. All are submitted at once, in order (a
@@ -116,9 +116,9 @@ async def respond(
     """The response (or stream) of a request whose choices run as engine requests ``rid``
     (``rid-i`` for several); ``shown``: its ``id``."""
     head = {"id": shown, "created": int(time.time()), "model": server.model_name}
-    outputs = _merged(server, choices, rid, request)
+    outputs = merged_outputs(server, choices, rid, request)
     if body.stream:
-        stream = _Stream(render, head, choices, body)
+        stream = ChunkStream(render, head, choices, body)
         return StreamingResponse(stream.events(outputs), media_type="text/event-stream")
     finals: dict[int, RequestUpdate] = {}
     async for choice, out in outputs:
@@ -137,7 +137,11 @@ async def respond(
     return {**response, **render.extras(finals)}
 
 
-class _Stream:
+class ChunkStream:
+    """A request's stream: each choice's chunk payloads as they come (``payloads``), which
+    ``events`` sends as chat or completions SSE chunks (and /v1/responses translates into its
+    own events)."""
+
     def __init__(self, render: Render, head: dict, choices: list[Choice], body) -> None:
         self.render, self.choices, self.body = render, choices, body
         self.chunk = {**head, "object": render.chunk_object}
@@ -151,23 +155,32 @@ class _Stream:
             event["usage"] = _usage(len(choice.ids), completion_tokens)
         return _sse(event)
 
-    async def events(self, outputs) -> AsyncIterator[str]:
+    async def payloads(self, outputs) -> AsyncIterator[tuple[Choice, dict, int]]:
+        """(choice, chunk payload, its completion tokens so far), chat's role first; a failed
+        generation raises ``ApiError`` (500)."""
         for c in self.choices:
             opening = self.render.opening(c)
             if opening is not None:
-                yield self._event(c, opening, 0)
+                yield c, opening, 0
+        async for choice, out in outputs:
+            if out.finish_reason == "error":
+                raise ApiError(500, f"generation failed: {out.error}", "server_error")
+            payload = self.render.delta(choice, out, self.progress[choice.index])
+            if payload is not None:
+                yield choice, payload, len(out.token_ids)
+
+    def usage(self) -> dict | None:
+        """The usage of what has finished (None if nothing has)."""
+        finals = {i: p.last for i, p in self.progress.items() if p.last is not None}
+        return _total_usage(self.choices, finals, self.render) if finals else None
+
+    async def events(self, outputs) -> AsyncIterator[str]:
         try:
-            async for choice, out in outputs:
-                if out.finish_reason == "error":
-                    yield _sse(error_body(f"generation failed: {out.error}", "server_error"))
-                    break
-                payload = self.render.delta(choice, out, self.progress[choice.index])
-                if payload is not None:
-                    yield self._event(choice, payload, len(out.token_ids))
+            async for choice, payload, tokens in self.payloads(outputs):
+                yield self._event(choice, payload, tokens)
         except ApiError as exc:
             yield _sse(exc.body())
-        finals = {i: p.last for i, p in self.progress.items() if p.last is not None}
-        if self.body.include_usage and finals:
-            usage = _total_usage(self.choices, finals, self.render)
+        usage = self.usage()
+        if self.body.include_usage and usage is not None:
             yield _sse({**self.chunk, "choices": [], "usage": usage})
         yield "data: [DONE]\n\n"

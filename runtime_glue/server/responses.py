@@ -1,0 +1,879 @@
+"""OpenAI's Responses API, ``POST /v1/responses``, on the chat pipeline.
+
+A request is translated into a chat completion request (``to_chat``) and runs as one (the
+chat template, tools, structured outputs, the reasoning parser: all chat's); its one choice
+comes back as Responses output items, whole (``response_object``) or as the Responses stream
+events (``ResponseEvents``), translated from the chat stream's chunk payloads
+(``routes.ChunkStream.payloads``). Errors name the Responses field (``input[2].type``,
+``max_output_tokens``, ``text.format.schema``) where the chat pipeline names its own.
+
+Stored responses (``store``, true by default as OpenAI's) live in an in-memory LRU of the
+last ``MAX_STORED`` per server process: ``previous_response_id`` continues one (its input and
+output come before the new input; its ``instructions`` do not, as OpenAI's), ``GET`` and
+``DELETE /v1/responses/{id}`` read and remove one, ``/input_items`` lists its input. Nothing
+survives a restart, and replicas do not share theirs.
+
+Refused, by name: ``background: true`` (responses run while the request waits or streams,
+so there is nothing to ``cancel`` either), tools other than functions (web search, file
+search, MCP, ...), ``truncation: "auto"``, ``conversation``, and ``include`` values other
+than ``reasoning.encrypted_content`` (accepted, without effect: reasoning comes back as
+plain text).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Annotated, Any, Literal, NoReturn
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from runtime_glue.server.protocol import ApiError, ChatCompletionRequest, param_name
+from runtime_glue.server.routes import ChunkStream, merged_outputs, respond
+
+MAX_STORED = 1000  # stored responses per server process (least recently used dropped)
+
+# Fields a chat request takes that mean the same here (vLLM's and rlt-hal's extras): passed on
+# as they are, checked (ranges included) by the chat request, whose errors name them alike.
+PASSED_ON = (
+    "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "structured_outputs",
+    "chat_template_kwargs", "cache_salt", "exit_at_step", "exit_threshold", "weighted_exit",
+    "num_speculative_tokens", "priority", "prompt_cache_key", "safety_identifier",
+    "service_tier",
+)  # fmt: skip
+# A chat request's fields that the Responses API names otherwise (an unknown field's hint).
+CHAT_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
+# include values accepted without effect (the reasoning is returned as plain text).
+INCLUDABLE = ("reasoning.encrypted_content",)
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: dict[str, Any] | None = None  # text | json_object | json_schema: chat's response_format
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, without effect
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    effort: str | None = None  # the chat request's reasoning_effort (without effect yet)
+    summary: str | None = None  # accepted; no summaries are written (summary: [])
+    generate_summary: str | None = None  # OpenAI's older name of summary
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_obfuscation: bool | None = None  # nothing is obfuscated here
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses request, with the chat request's extras that mean the same here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    # A string (one user message) or a list of items (``to_chat`` checks each, naming it).
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: float | None = None  # None: the chat request's default (1.0); its ranges
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    # "disabled" only: an input longer than the context is a 400, never cut ("auto" would drop
+    # the conversation's first items; refused by name rather than accepted as "disabled").
+    truncation: Literal["auto", "disabled"] | None = None
+    conversation: Any = None  # refused when set: continue with previous_response_id
+    # PASSED_ON: types here, ranges the chat request's.
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    exit_at_step: int | None = None
+    exit_threshold: float | None = None
+    weighted_exit: bool | None = None
+    num_speculative_tokens: int | None = None
+    priority: int | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+
+    def check_supported(self) -> None:
+        """What this server cannot do, refused by name (``ApiError``)."""
+        if self.background:
+            _refuse(
+                "background",
+                "background responses are not supported: a response runs while its request "
+                "waits or streams (send background: false or leave it out)",
+            )
+        if self.truncation == "auto":
+            _refuse(
+                "truncation",
+                "truncation 'auto' is not supported: an input longer than the context is a "
+                "400, never cut (send 'disabled' or leave it out)",
+            )
+        if self.conversation is not None:
+            _refuse(
+                "conversation",
+                "conversations are not supported: continue a stored response with "
+                "previous_response_id",
+            )
+        if self.stream_options is not None and not self.stream:
+            _refuse("stream_options", "stream_options requires stream=true")
+        for i, name in enumerate(self.include or ()):
+            if name not in INCLUDABLE:
+                _refuse(
+                    f"include[{i}]",
+                    f"include {name!r} is not supported; only {', '.join(INCLUDABLE)} "
+                    "(without effect: the reasoning is returned as text)",
+                )
+
+
+def _refuse(param: str | None, message: str, status: int = 400) -> NoReturn:
+    raise ApiError(status, message, param=param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# -- the request, as a chat request --------------------------------------------------------
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an output_text's, sent back: ignored
+    logprobs: list[Any] | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[_Part]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+
+class _FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class _FunctionCallOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[_Part]
+    id: str | None = None
+    status: str | None = None
+
+
+_TEXT_PARTS = ("input_text", "output_text")
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+_FUNCTION_TOOL_FIELDS = ("name", "description", "parameters", "strict")
+
+
+def _parse(model: type[BaseModel], raw: dict, where: str):
+    """``raw`` as ``model``; a 400 naming the field (``input[2].call_id``) otherwise."""
+    for key in ("content", "output"):  # a part that is not text: refused by its type
+        parts = raw.get(key)
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind not in _TEXT_PARTS:
+                param = f"{where}.{key}[{j}].type"
+                _refuse(param, f"{param}: parts of type {kind!r} are not supported; only text")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = f"{where}.{param_name(err['loc'])}".rstrip(".")
+        if err["type"] == "extra_forbidden":
+            _refuse(param, f"unknown field {param!r} is not supported")
+        _refuse(param, f"{param}: {err['msg']}")
+
+
+def _parts(content: str | list[_Part]) -> str | list[dict]:
+    """A content's text parts as chat's (which joins them with newlines)."""
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": p.text} for p in content]
+
+
+def _text(content: str | list[_Part]) -> str:
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
+
+
+class Origins:
+    """Where each chat field came from: a chat error's ``param`` (``messages[3].content``)
+    as the Responses field (``input[2].content``). ``add(chat, name, keep)``: the chat field
+    ``chat`` and what is under it are ``name`` (and what is under it, if ``keep``)."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, tuple[str, bool]] = {
+            "messages": ("input", False),
+            "prompt": ("input", False),
+            "max_tokens": ("max_output_tokens", True),
+            "response_format.json_schema": ("text.format", True),
+            "response_format": ("text.format", True),
+            "tool_choice.function": ("tool_choice", True),
+            "reasoning_effort": ("reasoning.effort", True),
+        }
+
+    def add(self, chat: str, name: str, keep: bool = True) -> None:
+        self.names[chat] = (name, keep)
+
+    def name(self, param: str | None) -> str | None:
+        if param is None:
+            return None
+        for key in sorted(self.names, key=len, reverse=True):
+            if param == key or param.startswith((key + ".", key + "[")):
+                name, keep = self.names[key]
+                return name + param[len(key) :] if keep else name
+        return param
+
+    def error(self, exc: ApiError) -> ApiError:
+        """``exc`` naming the Responses field."""
+        param = self.name(exc.param)
+        message = str(exc)
+        if (
+            exc.param
+            and param is not None
+            and param != exc.param
+            and message.startswith((exc.param + ":", exc.param + " "))
+        ):
+            message = param + message[len(exc.param) :]
+        return ApiError(exc.status, message, exc.type, param, exc.code)
+
+
+@attrs.frozen
+class Translation:
+    """A Responses request as a chat request."""
+
+    chat: ChatCompletionRequest
+    conversation: list[dict]  # the stored history and this input, as chat messages
+    items: list[dict]  # this request's input items, with ids (``/input_items``)
+    origins: Origins
+
+
+class _Conversation:
+    """Chat messages built from input items, each remembered as its item."""
+
+    def __init__(self, origins: Origins) -> None:
+        self.messages: list[dict] = []
+        self.origins = origins
+        self.items: list[dict] = []
+        self._calls_to: int | None = None  # the assistant message a function_call joins
+
+    def add(self, message: dict, name: str, keep: bool = True) -> int:
+        k = len(self.messages)
+        self.messages.append(message)
+        self.origins.add(f"messages[{k}]", name, keep)
+        self._calls_to = None
+        return k
+
+    def item(self, i: int, raw: Any) -> None:
+        where = f"input[{i}]"
+        if not isinstance(raw, dict):
+            _refuse(where, f"{where}: an item is an object (a message, a function_call, ...)")
+        kind = raw.get("type", "message" if "role" in raw else None)
+        if kind == "message":
+            msg = _parse(_Message, raw, where)
+            k = self.add({"role": msg.role, "content": _parts(msg.content)}, where)
+            self._calls_to = k if msg.role == "assistant" else None
+            self.items.append(_message_item(msg.id or new_id("msg"), msg.role, msg.content))
+        elif kind == "function_call":
+            call = _parse(_FunctionCall, raw, where)
+            tool_call = {"id": call.call_id, "type": "function",
+                         "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+            to = self._calls_to
+            if to is None:  # calls after an assistant message join it, as chat has them
+                to = self.add({"role": "assistant", "content": None, "tool_calls": []}, where)
+            calls = self.messages[to].setdefault("tool_calls", [])
+            chat = f"messages[{to}].tool_calls[{len(calls)}]"
+            calls.append(tool_call)
+            self.origins.add(chat, where, False)
+            self.origins.add(chat + ".function", where)
+            self._calls_to = to
+            self.items.append(_call_item(call.id or new_id("fc"), tool_call, "completed"))
+        elif kind == "function_call_output":
+            out = _parse(_FunctionCallOutput, raw, where)
+            k = self.add(
+                {"role": "tool", "tool_call_id": out.call_id, "content": _parts(out.output)}, where
+            )
+            self.origins.add(f"messages[{k}].content", f"{where}.output")
+            self.origins.add(f"messages[{k}].tool_call_id", f"{where}.call_id")
+            output = out.output if isinstance(out.output, str) else _text(out.output)
+            item = {"id": out.id or new_id("fco"), "type": "function_call_output",
+                    "call_id": out.call_id, "output": output, "status": "completed"}  # fmt: skip
+            self.items.append(item)
+        elif kind == "reasoning":  # the model's own earlier reasoning: not in the prompt
+            if not isinstance(raw.get("id"), str):
+                _refuse(f"{where}.id", f"{where}.id: a reasoning item needs its id")
+            self.items.append(raw)
+        else:
+            _refuse(
+                f"{where}.type",
+                f"{where}.type: items of type {kind!r} are not supported here; only "
+                f"{', '.join(_ITEM_TYPES)} (a message may leave its type out)",
+            )
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
+    """Responses' flat function tools as chat's ``{type, function: {...}}``."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        kind = tool.get("type")
+        if kind != "function":
+            _refuse(
+                f"{where}.type",
+                f"{where}.type: tools of type {kind!r} are not available here; only 'function' "
+                "tools (which the client runs)",
+            )
+        if "function" in tool:
+            _refuse(
+                f"{where}.function",
+                f"{where}: a Responses function tool is flat ({{type: 'function', name, "
+                "description, parameters, strict}), not chat's {type, function: {...}}",
+            )
+        extra = sorted(set(tool) - {"type", *_FUNCTION_TOOL_FIELDS})
+        if extra:
+            _refuse(f"{where}.{extra[0]}", f"unknown field '{where}.{extra[0]}' is not supported")
+        function = {k: tool[k] for k in _FUNCTION_TOOL_FIELDS if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict | None:
+    if not isinstance(choice, dict):
+        return choice  # none | auto | required: checked by the chat request
+    kind = choice.get("type")
+    if kind != "function":
+        _refuse(
+            "tool_choice.type",
+            f"tool_choice.type: {kind!r} is not supported; only 'none', 'auto', 'required' or "
+            "{type: 'function', name}",
+        )
+    extra = sorted(set(choice) - {"type", "name"})
+    if extra:
+        _refuse(
+            f"tool_choice.{extra[0]}", f"unknown field 'tool_choice.{extra[0]}' is not supported"
+        )
+    if not isinstance(choice.get("name"), str):
+        _refuse("tool_choice.name", "tool_choice.name: the function's name is required")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: TextConfig | None) -> dict | None:
+    """``text.format`` as chat's ``response_format`` (which checks it)."""
+    fmt = text.format if text is not None else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    fields = ("name", "schema", "description", "strict") if kind == "json_schema" else ()
+    extra = sorted(set(fmt) - {"type", *fields})
+    if extra:
+        _refuse(
+            f"text.format.{extra[0]}", f"unknown field 'text.format.{extra[0]}' is not supported"
+        )
+    if kind != "json_schema":
+        return {"type": kind}
+    return {"type": kind, "json_schema": {k: fmt[k] for k in fields if k in fmt}}
+
+
+def to_chat(req: ResponsesRequest, history: list[dict]) -> Translation:
+    """The chat request of ``req`` after ``history`` (a stored conversation's messages):
+    ``instructions`` as a system message, then the history, then the input. Raises
+    ``ApiError`` naming the Responses field."""
+    origins = Origins()
+    conv = _Conversation(origins)
+    if req.instructions is not None:
+        conv.add({"role": "system", "content": req.instructions}, "instructions", False)
+    for message in history:
+        conv.add(message, "previous_response_id", False)
+    if isinstance(req.input, str):
+        conv.add({"role": "user", "content": req.input}, "input", False)
+        conv.items.append(_message_item(new_id("msg"), "user", req.input))
+    else:
+        for i, raw in enumerate(req.input):
+            conv.item(i, raw)
+    for i in range(len(req.tools or ())):
+        origins.add(f"tools[{i}].function", f"tools[{i}]")
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    fields = {
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": _tools(req.tools),
+        "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req.text),
+        "reasoning_effort": effort,
+        "metadata": req.metadata,
+        "user": req.user,
+        **{name: getattr(req, name) for name in PASSED_ON},
+    }
+    body = {"model": req.model, "messages": conv.messages, "stream": req.stream}
+    body.update({k: v for k, v in fields.items() if v is not None})
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = param_name(err["loc"])
+        raise origins.error(ApiError(400, f"{param}: {err['msg']}", param=param)) from None
+    # the conversation to store: without instructions (OpenAI's: they are not carried over)
+    conversation = conv.messages[1:] if req.instructions is not None else conv.messages
+    return Translation(chat, conversation, conv.items, origins)
+
+
+# -- the response ---------------------------------------------------------------------------
+
+
+def _message_item(item_id: str, role: str, content, status: str = "completed") -> dict:
+    """A message item: an input message's (input_text parts) or the model's (output_text)."""
+    texts = [content] if isinstance(content, str) else [p.text for p in content]
+    parts: list[dict]
+    if role == "assistant":
+        parts = [
+            {"type": "output_text", "text": t, "annotations": [], "logprobs": []} for t in texts
+        ]
+    else:
+        parts = [{"type": "input_text", "text": t} for t in texts]
+    return {"id": item_id, "type": "message", "role": role, "status": status, "content": parts}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
+def _call_item(item_id: str, call: dict, status: str) -> dict:
+    function = call["function"]
+    return {"id": item_id, "type": "function_call", "call_id": call["id"], "status": status,
+            "name": function["name"], "arguments": function["arguments"]}  # fmt: skip
+
+
+def output_items(message: dict, cut: bool) -> list[dict]:
+    """A chat message as output items: its reasoning, its text (also when there is nothing
+    else, if empty) and its tool calls; ``cut`` (max_output_tokens): the last one incomplete."""
+    items = []
+    if message.get("reasoning"):
+        items.append(_reasoning_item(new_id("rs"), message["reasoning"], "completed"))
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not (items or calls):
+        items.append(_message_item(new_id("msg"), "assistant", message.get("content") or ""))
+    items.extend(_call_item(new_id("fc"), call, "completed") for call in calls)
+    if cut:
+        items[-1]["status"] = "incomplete"
+    return items
+
+
+def usage(chat_usage: dict) -> dict:
+    """Chat's usage as the Responses'. Cached tokens are not counted (0)."""
+    details = chat_usage.get("completion_tokens_details") or {}
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def envelope(response_id: str, model: str, req: ResponsesRequest) -> dict:
+    """The response before its output: what the request asked for, echoed."""
+    fmt = req.text.format if req.text is not None and req.text.format else {"type": "text"}
+    text: dict = {"format": fmt}
+    if req.text is not None and req.text.verbosity is not None:
+        text["verbosity"] = req.text.verbosity
+    reasoning = req.reasoning or ReasoningConfig()
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary},
+        "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": text,
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }
+
+
+def finished(head: dict, output: list[dict], finish_reason: str | None, chat_usage) -> dict:
+    """The whole response: ``length`` (max_output_tokens) is ``incomplete``."""
+    cut = finish_reason == "length"
+    return {
+        **head,
+        "status": "incomplete" if cut else "completed",
+        "completed_at": int(time.time()),
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "output": output,
+        "usage": usage(chat_usage) if chat_usage is not None else None,
+    }
+
+
+def response_object(head: dict, completion: dict) -> dict:
+    """A whole chat completion (one choice) as the response."""
+    choice = completion["choices"][0]
+    cut = choice["finish_reason"] == "length"
+    output = output_items(choice["message"], cut)
+    return finished(head, output, choice["finish_reason"], completion["usage"])
+
+
+class ResponseEvents:
+    """The Responses stream events of one chat stream's chunk payloads, numbered: an item is
+    added when its first text comes (reasoning, then the message) and done when the next
+    begins or the response ends; tool calls come whole, at the end, as chat's do."""
+
+    def __init__(self, head: dict) -> None:
+        self.head, self.seq = head, 0
+        self.output: list[dict] = []
+        self.open: dict | None = None  # the item being written: reasoning or message
+
+    def event(self, kind: str, **fields) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def start(self) -> list[dict]:
+        return [
+            self.event("response.created", response=self.head),
+            self.event("response.in_progress", response=self.head),
+        ]
+
+    def delta(self, payload: dict) -> list[dict]:
+        """The events of one chunk payload (chat's ``delta``)."""
+        delta, events = payload["delta"], []
+        if delta.get("reasoning"):
+            events += self._write("reasoning", delta["reasoning"])
+        if delta.get("content"):
+            events += self._write("message", delta["content"])
+        calls = delta.get("tool_calls") or []
+        if calls:
+            events += self._close("completed")
+        for k, call in enumerate(calls):
+            cut = payload.get("finish_reason") == "length" and k == len(calls) - 1
+            events += self._call(call, "incomplete" if cut else "completed")
+        return events
+
+    def finish(self, finish_reason: str | None, chat_usage) -> list[dict]:
+        """The open item done, and the whole response (``response.completed`` or
+        ``response.incomplete``)."""
+        status = "incomplete" if finish_reason == "length" else "completed"
+        events = self._close(status)
+        if not self.output:  # nothing written: an empty message, as the whole response has
+            events += self._open("message") + self._close(status)
+        response = finished(self.head, self.output, finish_reason, chat_usage)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*events, self.event(kind, response=response)]
+
+    def fail(self, exc: ApiError) -> list[dict]:
+        error = {"code": "server_error", "message": str(exc)}
+        response = {**self.head, "status": "failed", "error": error, "output": self.output}
+        return [self.event("response.failed", response=response)]
+
+    def _write(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events = self._close("completed") + self._open(kind)
+        item = self.open
+        assert item is not None
+        item["text"] += text
+        name = (
+            "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        )
+        extra: dict = {"logprobs": []} if kind == "message" else {}
+        events.append(self.event(name, **self._where(), content_index=0, delta=text, **extra))
+        return events
+
+    def _where(self) -> dict:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output)}
+
+    def _part(self, kind: str, text: str) -> dict:
+        if kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _item(self, kind: str, item_id: str, text: str, status: str) -> dict:
+        if kind == "reasoning":
+            return _reasoning_item(item_id, text, status)
+        return _message_item(item_id, "assistant", text, status)
+
+    def _open(self, kind: str) -> list[dict]:
+        item_id = new_id("rs" if kind == "reasoning" else "msg")
+        self.open = {"type": kind, "id": item_id, "text": ""}
+        added = {**self._item(kind, item_id, "", "in_progress"), "content": []}
+        return [
+            self.event("response.output_item.added", output_index=len(self.output), item=added),
+            self.event(
+                "response.content_part.added",
+                **self._where(),
+                content_index=0,
+                part=self._part(kind, ""),
+            ),  # fmt: skip
+        ]
+
+    def _close(self, status: str) -> list[dict]:
+        if self.open is None:
+            return []
+        kind, text, where = self.open["type"], self.open["text"], self._where()
+        if kind == "reasoning":
+            done = self.event("response.reasoning_text.done", **where, content_index=0, text=text)
+        else:
+            done = self.event("response.output_text.done", **where, content_index=0, text=text,
+                              logprobs=[])  # fmt: skip
+        item = self._item(kind, self.open["id"], text, status)
+        events = [
+            done,
+            self.event(
+                "response.content_part.done", **where, content_index=0, part=self._part(kind, text)
+            ),  # fmt: skip
+            self.event("response.output_item.done", output_index=len(self.output), item=item),
+        ]
+        self.output.append(item)
+        self.open = None
+        return events
+
+    def _call(self, call: dict, status: str) -> list[dict]:
+        item = _call_item(new_id("fc"), call, status)
+        index, arguments = len(self.output), item["arguments"]
+        where = {"item_id": item["id"], "output_index": index}
+        self.output.append(item)
+        return [
+            self.event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),  # fmt: skip
+            self.event("response.function_call_arguments.delta", **where, delta=arguments),
+            self.event("response.function_call_arguments.done", **where, arguments=arguments),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def assistant_message(output: list[dict]) -> dict:
+    """A response's output as the chat message that continues its conversation (its
+    reasoning left out, as chat templates leave earlier turns' out)."""
+    texts = [p["text"] for item in output if item["type"] == "message" for p in item["content"]]
+    calls = [
+        {"id": item["call_id"], "type": "function",
+         "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output if item["type"] == "function_call"
+    ]  # fmt: skip
+    message: dict = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+# -- the store and the routes --------------------------------------------------------------
+
+
+@attrs.frozen
+class Stored:
+    response: dict
+    conversation: list[dict]  # its history, input and output, as chat messages
+    items: list[dict]  # its own input items
+
+
+class ResponseStore:
+    """The last ``capacity`` stored responses (an LRU; the event loop is its only user)."""
+
+    def __init__(self, capacity: int = MAX_STORED) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, stored: Stored) -> None:
+        self._items[stored.response["id"]] = stored
+        self._items.move_to_end(stored.response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> Stored:
+        """The stored response, or a 404 (naming ``param``)."""
+        stored = self._items.get(response_id)
+        if stored is None:
+            _refuse(
+                param,
+                f"no stored response {response_id!r} (responses are kept in memory, the last "
+                f"{self.capacity}, when created with store: true)",
+                404,
+            )
+        self._items.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._items[response_id]
+
+
+def install_responses_routes(app: FastAPI, server, handle) -> None:
+    """``POST /v1/responses`` and the stored responses' routes; ``handle``: the app's chat
+    request runner, given the answer that makes its choice a response."""
+    store = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create(body: ResponsesRequest, request: Request):
+        server.check_auth(request)
+        server.check_model(body.model)
+        body.check_supported()
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            history = store.get(body.previous_response_id, "previous_response_id").conversation
+        plan = to_chat(body, history)
+
+        def keep(response: dict) -> None:
+            if body.store:
+                conversation = [*plan.conversation, assistant_message(response["output"])]
+                store.put(Stored(response, conversation, plan.items))
+
+        async def answer(server, chat, choices, request, rid, render, shown):
+            head = envelope("resp_" + shown.split("-", 1)[1], server.model_name, body)
+            if not body.stream:
+                completion = await respond(server, chat, choices, request, rid, render, shown)
+                response = response_object(head, completion)
+                keep(response)
+                return response
+            stream = ChunkStream(render, {}, choices, chat)
+            outputs = stream.payloads(merged_outputs(server, choices, rid, request))
+            return StreamingResponse(
+                _events(ResponseEvents(head), stream, outputs, keep),
+                media_type="text/event-stream",
+            )
+
+        try:
+            return await handle(plan.chat, request, "resp", answer)
+        except ApiError as exc:
+            raise plan.origins.error(exc) from None
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request):
+        server.check_auth(request)
+        return store.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request):
+        server.check_auth(request)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request):
+        server.check_auth(request)
+        store.get(response_id)
+        _refuse(
+            None,
+            "only background responses can be cancelled, and this server runs none "
+            f"({response_id!r} has finished)",
+        )
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(
+        response_id: str,
+        request: Request,
+        after: str | None = None,
+        limit: Annotated[int, Field(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ):
+        server.check_auth(request)
+        items = store.get(response_id).items
+        items = items[::-1] if order == "desc" else list(items)
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                _refuse("after", f"no input item {after!r} in response {response_id!r}")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+
+
+async def _events(writer: ResponseEvents, stream: ChunkStream, outputs, keep):
+    """The SSE of a streamed response; it is stored (``keep``) when it has finished."""
+    for event in writer.start():
+        yield _sse(event)
+    reason = None
+    try:
+        async for _choice, payload, _tokens in outputs:
+            reason = payload.get("finish_reason") or reason
+            for event in writer.delta(payload):
+                yield _sse(event)
+    except ApiError as exc:
+        for event in writer.fail(exc):
+            yield _sse(event)
+        return
+    if reason is None:  # the client has gone; nobody reads on
+        return
+    *events, last = writer.finish(reason, stream.usage())
+    for event in events:
+        yield _sse(event)
+    keep(last["response"])
+    yield _sse(last)
