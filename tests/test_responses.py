@@ -260,10 +260,11 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete_with_the_same_text(se
 
 # -- reasoning ---------------------------------------------------------------------------------
 
-# A grammar makes the random weights write words, the end tag and more words (as
-# tests/test_thinking.py does); Responses carries vLLM's structured_outputs as chat does.
-SHAPED = {"regex": "[a-z]{3,8} [a-z]{3,8}</think>[a-z]{2,6}"}
-THINK = {"structured_outputs": SHAPED, "chat_template_kwargs": {"enable_thinking": True}}
+# A budget ends the random weights' reasoning with the end tag and a grammar makes them write a
+# word after it (as tests/test_thinking.py does); Responses carries vLLM's thinking_token_budget
+# and structured_outputs as chat does.
+THINK = {"thinking_token_budget": 6, "structured_outputs": {"regex": "[a-z]{2,6}"},
+         "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +296,14 @@ def test_a_thinking_model_gives_a_reasoning_item_then_its_message_whole_and_stre
     cut = chat["choices"][0]["finish_reason"] == "length"
     assert whole.status == ("incomplete" if cut else "completed")
     details = chat["usage"]["completion_tokens_details"]["reasoning_tokens"]
-    assert whole.usage.output_tokens_details.reasoning_tokens == details > 0
+    assert whole.usage.output_tokens_details.reasoning_tokens == details == 7  # budget + tag
+    assert not cut and whole.status == "completed"
+    # reasoning.effort is chat's reasoning_effort: "none" ends the block at once
+    effortless = {k: v for k, v in body.items() if k != "thinking_token_budget"}
+    none = _post(thinking_server, {**effortless, "reasoning": {"effort": "none"}}, headers=auth)
+    none = Response.model_validate(none.json())
+    assert [item.type for item in none.output] == ["message"]
+    assert none.usage.output_tokens_details.reasoning_tokens == 1  # the end tag alone
     # streamed: the reasoning's deltas (item 0), then the answer's (item 1)
     events = []
     with httpx.stream("POST", thinking_server.base + "/v1/responses", headers=auth,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import attrs
 
-from runtime_glue.engine.reasoning import ReasoningParser, ReasoningStream
+from runtime_glue.engine.reasoning import THINKING, UNDECIDED, ReasoningParser, ReasoningStream
 from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server import logprobs as lp
@@ -117,10 +117,13 @@ class Render:
 
     def reasoning_tokens(self, out: RequestUpdate) -> int:
         """How many of the output's tokens are its reasoning: up to the end tag's last one (the
-        tags count), all of an output still thinking, none of one without reasoning."""
-        assert self.reasoning is not None
-        reasoning, content = self.reasoning.split(out.text, self.opened)
-        if reasoning is None and content is not None:
+        tags count, so a block closed at once is one), all of an output still thinking, none of
+        one that never thought."""
+        parser = self.reasoning
+        assert parser is not None
+        begins = parser.begins(self.opened)
+        opens = begins == UNDECIDED and out.text.lstrip().startswith(parser.start)
+        if begins != THINKING and not opens:
             return 0
         text = ""
         for i, token in enumerate(out.token_ids):

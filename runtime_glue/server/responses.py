@@ -45,7 +45,7 @@ PASSED_ON = (
     "logit_bias", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "structured_outputs",
     "chat_template_kwargs", "cache_salt", "exit_at_step", "exit_threshold", "weighted_exit",
     "num_speculative_tokens", "priority", "prompt_cache_key", "safety_identifier",
-    "service_tier",
+    "service_tier", "thinking_token_budget",
 )  # fmt: skip
 # A chat request's fields that the Responses API names otherwise (an unknown field's hint).
 CHAT_NAMES = {
@@ -67,7 +67,7 @@ class TextConfig(BaseModel):
 
 class ReasoningConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    effort: str | None = None  # the chat request's reasoning_effort (without effect yet)
+    effort: str | None = None  # the chat request's reasoning_effort: a thinking budget
     summary: str | None = None  # accepted; no summaries are written (summary: [])
     generate_summary: str | None = None  # OpenAI's older name of summary
 
@@ -129,6 +129,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None
+    thinking_token_budget: int | None = None
 
     def check_supported(self) -> None:
         """What this server cannot do, refused by name (``ApiError``)."""
