@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -15,6 +18,25 @@ from runtime_glue.ouro.config import OuroConfig
 from tests.reference.ouro_hf import OuroReference
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+# A chat template that renders tools (so tool_choice 'auto' can run), in Hermes' manner.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def with_tool_template(ckpt: Path, folder: Path) -> Path:
+    """A copy of checkpoint ``ckpt`` in ``folder`` whose chat template renders tools."""
+    out = folder / "ckpt"
+    shutil.copytree(ckpt, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = HERMES_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
 @functools.lru_cache(maxsize=4)

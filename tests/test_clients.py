@@ -303,3 +303,102 @@ def test_lm_eval_multiple_choice_scores_with_the_offline_loglikelihoods(
         ):
             want = _offline_loglikelihood(local, args["arg_0"], args["arg_1"])
             assert float(reported) == want, (args, reported, want)  # bit for bit
+
+
+# -- the Responses API: LangChain's use_responses_api and the OpenAI Agents SDK ---------------
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """A Thinking-layout toy served with deepseek_r1's reasoning parser."""
+    from runtime_glue.cli.main import main as cli
+    from tests.server_helpers import ServerProcess
+
+    out = tmp_path_factory.mktemp("thinking") / "ckpt"
+    assert cli(["toy-checkpoint", str(out), "--thinking"]) == 0
+    proc = ServerProcess(out, "--reasoning-parser", "deepseek_r1")
+    yield proc
+    proc.stop()
+
+
+@_needs("langchain_openai")
+def test_langchain_over_the_responses_api_reads_the_reasoning_and_makes_a_tool_call(
+    thinking_server, default_server
+):
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    # A budget ends the random weights' reasoning; a grammar makes them write a word after it.
+    think = {"thinking_token_budget": 5, "structured_outputs": {"regex": "[a-z]{2,6}"},
+             "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    llm = ChatOpenAI(model="toy", base_url=thinking_server.base + "/v1", api_key="unused",
+                     temperature=0, max_tokens=24, max_retries=0, use_responses_api=True,
+                     extra_body=think)  # fmt: skip
+    said = llm.invoke([HumanMessage("What is 2 + 2?")])
+    blocks = {b["type"]: b for b in said.content}
+    (thought,) = blocks["reasoning"]["content"]
+    chat = httpx.post(thinking_server.base + "/v1/chat/completions", json={
+        "model": "toy", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+        "temperature": 0, "max_tokens": 24, **think}).json()["choices"][0]["message"]  # fmt: skip
+    assert thought["text"] == chat["reasoning"] and blocks["text"]["text"] == chat["content"]
+    assert said.usage_metadata["output_token_details"]["reasoning"] == 6  # 5 and the end tag
+
+    tools = ChatOpenAI(model="toy", base_url=default_server.base + "/v1", api_key="unused",
+                       max_tokens=300, max_retries=0, temperature=0, use_responses_api=True)  # fmt: skip
+    bound = tools.bind_tools([GetWeather], tool_choice="GetWeather")
+    (call,) = bound.invoke([HumanMessage("weather in Oslo?")]).tool_calls
+    assert call["name"] == "GetWeather"
+    GetWeather(**call["args"])
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_ckpt, tmp_path_factory):
+    """A server whose chat template renders tools: tool_choice 'auto' runs there."""
+    from tests.helpers import with_tool_template
+    from tests.server_helpers import ServerProcess
+
+    proc = ServerProcess(with_tool_template(tiny_ckpt, tmp_path_factory.mktemp("tools")))
+    yield proc
+    proc.stop()
+
+
+@_needs("agents")
+def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool_to_completion(tool_server):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # traces would go to OpenAI's servers
+    asked = []
+
+    @function_tool
+    def get_weather(city: Literal["Oslo", "Paris"]) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"sunny in {city}"
+
+    class Verdict(BaseModel):  # the answer's schema, so that random weights finish it
+        sky: Literal["sunny", "rainy"]
+
+    client = AsyncOpenAI(base_url=tool_server.base + "/v1", api_key="unused", max_retries=0)
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the tool's help.",
+        tools=[get_weather],
+        output_type=Verdict,
+        model=OpenAIResponsesModel(model="toy", openai_client=client),
+        # the first turn must call the tool; the SDK then resets tool_choice and the model answers
+        model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=0),
+    )
+    result = Runner.run_sync(agent, "What is the weather in Oslo?", max_turns=3)
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+    assert isinstance(result.final_output, Verdict)
+    assert asked and asked[0] in ("Oslo", "Paris")
+    assert result.new_items[1].output == f"sunny in {asked[0]}"

@@ -193,7 +193,7 @@ def test_a_named_function_call_round_trips_by_previous_response_id_and_by_items(
     assert followed.usage.input_tokens == chat.usage.prompt_tokens
 
 
-def test_a_required_call_streams_its_arguments_and_the_final_response_has_it(server):
+def test_a_required_call_streams_its_arguments_and_the_final_response_has_it(server, client):
     body = {**GREEDY, "input": "time?", "tools": [WEATHER], "tool_choice": "required",
             "parallel_tool_calls": False}  # fmt: skip
     whole = _create(server, **body)
@@ -209,6 +209,22 @@ def test_a_required_call_streams_its_arguments_and_the_final_response_has_it(ser
     assert (done["name"], done["arguments"]) == (call.name, call.arguments)
     assert events[3]["delta"] == events[4]["arguments"] == call.arguments
     assert events[2]["item"]["status"] == "in_progress" and events[5]["item"] == done
+    # the SDK's own stream helper assembles the same call
+    with client.responses.stream(model="toy", **body_of(body)) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    (got,) = final.output
+    assert (got.type, got.name, got.arguments) == ("function_call", call.name, call.arguments)
+    assert "".join(deltas) == call.arguments
+
+
+def body_of(body: dict) -> dict:
+    """A raw request body as the SDK's keyword arguments (its extras in extra_body)."""
+    known = {"input", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
+             "max_output_tokens", "instructions", "text", "reasoning", "store"}  # fmt: skip
+    out = {k: v for k, v in body.items() if k in known}
+    extra = {k: v for k, v in body.items() if k not in known and k != "model"}
+    return {**out, "extra_body": extra} if extra else out
 
 
 # -- streams -----------------------------------------------------------------------------------

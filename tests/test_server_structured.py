@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import httpx
 import jsonschema
@@ -17,6 +16,7 @@ from pydantic import BaseModel, Field
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server.tools import MAX_PARALLEL_CALLS, AutoStream, ToolPlan, _hermes_calls
+from tests.helpers import with_tool_template
 from tests.server_helpers import ServerProcess
 
 SPECULATION = ("--speculative-loops", "1", "--num-speculative-tokens", "3")
@@ -250,6 +250,21 @@ def test_a_required_tool_call_is_always_a_valid_call(client, parallel):
             assert len(choice.message.tool_calls) == 1
 
 
+def test_a_forced_call_keeps_a_response_format_for_a_later_turn(client, server):
+    """OpenAI's rule (the Agents SDK sends both): the forced call's turn is a call; the format,
+    its shape checked, shapes no message there."""
+    got = client.chat.completions.create(
+        model="toy", messages=USER, tools=TOOLS, tool_choice="required", seed=1, max_tokens=300,
+        response_format=_schema_format(),
+    )  # fmt: skip
+    assert got.choices[0].finish_reason == "tool_calls"
+    _check_calls(got.choices[0].message.tool_calls)
+    bad = {"type": "xml"}
+    r = _post(server, "/v1/chat/completions", {"model": "toy", "messages": USER, "tools": TOOLS,
+              "tool_choice": "required", "response_format": bad})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("response_format")
+
+
 def test_a_named_tool_call_streams_as_deltas_and_round_trips(client):
     kwargs = dict(
         model="toy", messages=USER, tools=TOOLS, max_tokens=200, seed=5,
@@ -283,9 +298,9 @@ def test_a_named_tool_call_streams_as_deltas_and_round_trips(client):
             "not among the tools",
         ),
         (
-            {"tools": TOOLS, "tool_choice": "required", "response_format": _schema_format()},
+            {"tools": TOOLS, "tool_choice": "required", "structured_outputs": {"regex": "a"}},
             "tool_choice",
-            "cannot be combined",
+            "cannot be combined with structured_outputs",
         ),
         ({"tools": [WEATHER, WEATHER], "tool_choice": "none"}, "tools", "unique"),
     ],
@@ -308,23 +323,10 @@ def test_tool_choice_none_answers_in_text(client):
 
 # -- auto, with a template that renders tools ----------------------------------------------------
 
-HERMES_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 
 @pytest.fixture(scope="module")
 def hermes_server(tiny_ckpt, tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp("hermes") / "ckpt"
-    shutil.copytree(tiny_ckpt, ckpt)
-    config = json.loads((ckpt / "tokenizer_config.json").read_text())
-    config["chat_template"] = HERMES_TEMPLATE
-    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
-    proc = ServerProcess(ckpt)
+    proc = ServerProcess(with_tool_template(tiny_ckpt, tmp_path_factory.mktemp("hermes")))
     yield proc
     proc.stop()
 

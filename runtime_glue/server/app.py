@@ -187,14 +187,16 @@ class Server:
     def _structured(self, body, tools: ToolPlan | None) -> StructuredSpec | None:
         """The request's structured-output spec: a tool call's schema, or the one its
         ``response_format`` / ``structured_outputs`` asks for, JSON with the server's
-        whitespace unless the request chose."""
+        whitespace unless the request chose. A forced call's turn writes no message, so a
+        ``response_format`` (its shape checked) waits for a later turn, as OpenAI's does (the Agents
+        SDK sends both); ``structured_outputs`` shapes the whole output and cannot."""
         spec = body.structured()
         if tools is not None and (forced := tools.spec()) is not None:
-            if spec is not None:
+            if body.structured_outputs is not None:
                 raise UnsupportedValue(
                     "tool_choice",
                     f"tool_choice {tools.mode!r} is enforced with a schema of its own; it "
-                    "cannot be combined with response_format or structured_outputs",
+                    "cannot be combined with structured_outputs",
                 )
             return forced
         if spec is not None and spec.kind == "json" and spec.whitespace is None:
