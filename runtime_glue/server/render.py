@@ -128,7 +128,7 @@ class Render:
         text = ""
         for i, token in enumerate(out.token_ids):
             text += self.decode(token)
-            if self.reasoning.end in text:
+            if parser.end in text:
                 return i + 1
         return len(out.token_ids)
 
