@@ -19,6 +19,7 @@ from runtime_glue.engine.reasoning import (
     ANSWER,
     PARSERS,
     THINKING,
+    UNDECIDED,
     ReasoningMatcher,
     ReasoningStream,
     ThinkingTags,
@@ -280,18 +281,27 @@ def _spec(llm):
 @pytest.mark.parametrize("budget", [0, 1, 3])
 def test_the_budget_forces_the_end_tag_whether_or_not_the_model_opened_the_block(thinking, budget):
     """deepseek_r1 with a prompt that opened nothing: the output thinks from its first token;
-    qwen3: a block the model opens itself (a bias makes it) is bounded the same way."""
-    for name, bias in (("deepseek_r1", {}), ("qwen3", "start")):
+    a block the model opens itself (a bias makes it) is bounded the same way, its opening tag
+    not charged, under either parser. Once the answer begins the request is masked no more."""
+    for name, opens in (("deepseek_r1", False), ("deepseek_r1", True), ("qwen3", True)):
         llm = LLM(thinking, block_size=16, num_blocks=32, reasoning_parser=name)
         start, end = _tags(llm)
-        logit_bias = {start: 100.0} if bias else {}
+        logit_bias = {start: 100.0} if opens else {}
         params = SamplingParams(max_tokens=12, thinking_token_budget=budget,
                                 logit_bias=logit_bias, ignore_eos=True)  # fmt: skip
         [out] = llm.chat(CHAT, params)
         tokens = list(out.outputs[0].token_ids)
-        opened = 1 if bias else 0  # the model's own <think> is not reasoning it is charged for
-        assert tokens[:opened] == [start] * opened, name
-        assert tokens.index(end) == opened + budget, (name, tokens)
+        lead = int(tokens[0] == start)  # (unbiased, the model may open it too)
+        assert lead >= opens and tokens.index(end) == lead + budget, (name, tokens)
+        # the engine drops the reasoning's mask after the end tag (the fast path again)
+        engine, ids = llm.engine, llm.tokenizer.encode("hi", add_special_tokens=False)
+        engine.add_request("r", ids, params)
+        req = engine.requests["r"]
+        while end not in req.output_ids:
+            assert req.matcher is not None
+            engine.step()
+        assert req.matcher is None
+        engine.abort_request("r")
 
 
 def test_a_prompt_that_closed_the_block_leaves_everything_to_the_answer(thinking):
@@ -337,6 +347,20 @@ def test_a_draft_that_crosses_the_end_tag_is_masked_by_the_right_state(r1):
     assert not masks[3][7]  # the answer's first token: the grammar's ("{" only)
     one.rollback(2)
     assert one.phase == THINKING and one.thought == 2 and not one.accept(5)  # forced again
+    # qwen3's undecided start: the grammar's tokens or the opening tag, which is not charged
+    undecided = ReasoningMatcher(tags, UNDECIDED, vocab, (0, 2),
+                                 compiler.matcher(compiler.compile(_spec(r1))), budget=1)  # fmt: skip
+    first = undecided.allowed()
+    assert first[start] and first[brace[0]] and not first[7] and not first[0]
+    masks, n = undecided.draft_masks([start, 7, end, *brace])
+    assert n == 4 and undecided.phase == UNDECIDED and undecided.num_accepted == 0
+    assert not masks[1].all() and masks[1][7] and not masks[1][0]  # thinking
+    assert masks[2].sum() == 1 and masks[2][end]  # one token of budget spent
+    assert undecided.accept(start) and undecided.accept(7) and undecided.phase == THINKING
+    undecided.rollback(2)  # back across the opening tag
+    assert undecided.phase == UNDECIDED and undecided.thought == 0
+    assert undecided.accept(brace[0]) and undecided.phase == ANSWER
+    assert not undecided.accept(start)  # the answer's grammar refuses a late tag
 
 
 def test_speculation_and_replayed_graphs_give_the_same_reasoning_and_answer(r1, thinking):
@@ -369,6 +393,10 @@ def test_budgets_and_tags_are_refused_where_they_cannot_hold(r1, tiny_ckpt):
     no_tags = LLM(tiny_ckpt, block_size=16, num_blocks=16, reasoning_parser="deepseek_r1")
     with pytest.raises(InvalidRequest, match="'<think>' is 5 tokens of this tokenizer, not one"):
         no_tags.generate([[5, 6]], SamplingParams(thinking_token_budget=3))
+    # tags that are not single tokens: a grammar runs from the first token, as without a parser
+    params = SamplingParams(max_tokens=64, structured_outputs=JSON)
+    [shaped] = no_tags.generate([[5, 6]], params)
+    jsonschema.validate(json.loads(shaped.outputs[0].text), SCHEMA)
     # a parser alone masks nothing for a request without a grammar or budget
     r1.engine.add_request("free", [5, 6], SamplingParams(max_tokens=2))
     assert r1.engine.requests["free"].matcher is None

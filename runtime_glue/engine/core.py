@@ -37,7 +37,12 @@ from runtime_glue.engine.graphs import Replayed, StepGraphRunner, group_limits
 from runtime_glue.engine.kv_manager import BlockAllocator
 from runtime_glue.engine.kv_placement import KVPlacement, PerDepth
 from runtime_glue.engine.output import Outputs, request_output
-from runtime_glue.engine.reasoning import ReasoningMatcher, ReasoningParser, ThinkingTags
+from runtime_glue.engine.reasoning import (
+    ANSWER,
+    ReasoningMatcher,
+    ReasoningParser,
+    ThinkingTags,
+)
 from runtime_glue.engine.request import Request, RequestUpdate, Status
 from runtime_glue.engine.sampler import Sampled, Sampler
 from runtime_glue.engine.sampling import SamplingParams
@@ -241,7 +246,9 @@ class Engine:
 
     def _matcher(self, req: Request):
         """A request's mask: its grammar (the compiler is made on first use), from the end of
-        the reasoning with a reasoning parser, and its thinking budget."""
+        the reasoning with a reasoning parser, and its thinking budget. Tags that are not
+        single tokens (a checkpoint without a Thinking tokenizer): the grammar from the first
+        token, as without a parser (validate refuses a budget there)."""
         params, inner = req.params, None
         if params.structured_outputs is not None:
             compiler = self.grammar_compiler()
@@ -251,11 +258,17 @@ class Engine:
         if self.reasoning is None or (inner is None and params.thinking_token_budget is None):
             return inner
         tags = self.thinking_tags()
-        assert isinstance(tags, ThinkingTags)  # (validate refused the request otherwise)
-        opened = self.reasoning.prompt_opens(self.tokenizer.decode, req.prompt_ids)
+        if not isinstance(tags, ThinkingTags):
+            logger.warning("grammar from the first token: %s", tags)
+            return inner
+        begins = self.reasoning.begins(
+            self.reasoning.prompt_opens(self.tokenizer.decode, req.prompt_ids)
+        )
+        if begins == ANSWER:  # the prompt closed the block: nothing to follow
+            return inner
         return ReasoningMatcher(
-            tags, self.reasoning.begins(opened), self.model.cfg.vocab_size,
-            sorted(self.eos_token_ids), inner, params.thinking_token_budget,
+            tags, begins, self.model.cfg.vocab_size, sorted(self.eos_token_ids), inner,
+            params.thinking_token_budget,
         )  # fmt: skip
 
     def thinking_tags(self) -> ThinkingTags | str | None:

@@ -60,6 +60,7 @@ class Outputs:
                 )
             if req.matcher is not None:
                 req.matcher.accept(token)
+                req.matcher = req.matcher.settled()  # (emitted tokens are never taken back)
             req.output_ids.append(token)
             req.exit_steps.append(sampled.exit_steps[j])
             if req.first_token_time is None:

@@ -53,7 +53,9 @@ class ReasoningParser:
         begins = self.begins(opened)
         if begins == ANSWER:
             return None, text or None
-        stripped = text.lstrip()
+        # qwen3's rule: the output's first token opens the block or not (the engine follows it
+        # so); a thinking output may repeat the tag after whitespace.
+        stripped = text.lstrip() if begins == THINKING else text
         if stripped.startswith(self.start):
             body = stripped[len(self.start) :]
         elif begins == THINKING:
@@ -200,10 +202,6 @@ class ReasoningMatcher(MaskSteps):
         self._undo: list[tuple[str, int, bool]] = []  # per accepted token: the state before
         self.num_accepted = 0
 
-    @property
-    def error(self) -> str | None:
-        return None if self.inner is None else self.inner.error
-
     def is_terminated(self) -> bool:
         return self.phase == ANSWER and self.inner is not None and self.inner.is_terminated()
 
@@ -213,13 +211,14 @@ class ReasoningMatcher(MaskSteps):
     def accept(self, token_id: int) -> bool:
         phase, thought, fed = self.phase, self.thought, False
         if phase == THINKING:
-            if self._forced() and token_id != self.tags.end:
+            opening = token_id == self.tags.start and not self.num_accepted  # not reasoning
+            if self._forced() and token_id != self.tags.end and not opening:
                 return False
             if token_id in self.eos and self.inner is not None:
                 return False
-            self.thought += 1
             if token_id == self.tags.end:
                 self.phase = ANSWER
+            self.thought += not opening
         elif phase == UNDECIDED and token_id == self.tags.start:
             self.phase = THINKING  # the budget counts what follows the tag
         else:
@@ -243,12 +242,18 @@ class ReasoningMatcher(MaskSteps):
         self.phase, self.thought = undone[0][0], undone[0][1]
         self.num_accepted -= n
 
+    def settled(self):
+        """What masks the rest of the output: the grammar alone (or nothing) once the answer
+        began, so that a budget's request leaves the masked path with its reasoning."""
+        return self.inner if self.phase == ANSWER else self
+
     def allowed(self, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.vocab_size, dtype=torch.bool) if out is None else out
         if self.phase == THINKING:
             if self._forced():
                 out.fill_(False)
                 out[self.tags.end] = True
+                out[self.tags.start] = not self.num_accepted  # the output may open it still
             else:
                 out.fill_(True)
                 if self.inner is not None:

@@ -259,6 +259,11 @@ class MaskSteps:
     def allowed(self, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def settled(self):
+        """What masks the rest of the output (``ReasoningMatcher``: the grammar, once the
+        reasoning ended)."""
+        return self
+
     def allowed_after(self, drafted: Sequence[int]) -> torch.Tensor:
         """The mask after ``drafted``, tokens taken ahead of the accepted ones (a speculative
         round's drafts before a draft or verify row), the matcher left as it was."""

@@ -83,19 +83,17 @@ def check_request(engine: Any, prompt_token_ids: list[int], params: SamplingPara
 
 
 def _check_reasoning(engine: Any, params: SamplingParams) -> None:
-    """A thinking budget needs a reasoning parser; it, and a grammar after the reasoning, need
-    the parser's tags as single tokens."""
-    budget = params.thinking_token_budget is not None
-    if budget and engine.reasoning is None:
+    """A thinking budget needs a reasoning parser whose tags are single tokens."""
+    if params.thinking_token_budget is None:
+        return
+    if engine.reasoning is None:
         raise InvalidRequest(
             "thinking_token_budget needs a reasoning parser (--reasoning-parser)",
             "thinking_token_budget",
         )
-    if budget or params.structured_outputs is not None:
-        why = engine.thinking_tags()
-        if isinstance(why, str):
-            param = "thinking_token_budget" if budget else "structured_outputs"
-            raise InvalidRequest(f"{param} with --reasoning-parser: {why}", param)
+    why = engine.thinking_tags()
+    if isinstance(why, str):
+        raise InvalidRequest(f"thinking_token_budget: {why}", "thinking_token_budget")
 
 
 def compile_grammar(

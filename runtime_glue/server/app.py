@@ -170,6 +170,8 @@ class Server:
         effort = getattr(body, "reasoning_effort", None)
         if self.reasoning is None or effort is None or params.thinking_token_budget is not None:
             return params
+        if isinstance(self.llm.engine.thinking_tags(), str):
+            return params  # tags the engine cannot follow: no budget, as for any model
         try:
             budget = effort_budget(effort)
         except ValueError as exc:

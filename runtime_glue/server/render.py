@@ -122,7 +122,7 @@ class Render:
         parser = self.reasoning
         assert parser is not None
         begins = parser.begins(self.opened)
-        opens = begins == UNDECIDED and out.text.lstrip().startswith(parser.start)
+        opens = begins == UNDECIDED and out.text.startswith(parser.start)
         if begins != THINKING and not opens:
             return 0
         text = ""
