@@ -139,6 +139,44 @@ def test_a_list_of_items_with_instructions_is_the_chat_conversation(server, clie
     assert bare.usage.input_tokens < got.usage.input_tokens  # the instructions were rendered
 
 
+def test_items_sent_back_as_the_sdk_keeps_them_are_the_chat_turns(server, client):
+    """A reasoning item is left out of the prompt; a function call joins the assistant message
+    before it; its output is a tool message."""
+    call = {
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "get_weather",
+        "arguments": '{"city":"Oslo","unit":"c"}',
+        "id": "fc_1",
+        "status": "completed",
+    }
+    items = [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "ask the tool"}]},
+        {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "Let me see.", "annotations": []}]},
+        call,
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "user", "content": "thanks"},
+    ]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Let me see.", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "user", "content": "thanks"},
+    ]  # fmt: skip
+    got = _create(server, **GREEDY, input=items, max_output_tokens=5)
+    chat = _chat(client, messages, max_tokens=5)
+    assert got.output_text == chat.choices[0].message.content
+    assert got.usage.input_tokens == chat.usage.prompt_tokens
+    kept = [item for item in items if item.get("type") != "reasoning"]
+    without = _create(server, **GREEDY, input=kept, max_output_tokens=5)
+    assert without.usage.input_tokens == got.usage.input_tokens  # the reasoning was left out
+
+
 def test_text_format_json_schema_gives_json_that_validates_completed(server, client):
     fmt = {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True}
     got = _create(server, **GREEDY, input="describe a pet", text={"format": fmt})
@@ -150,8 +188,11 @@ def test_text_format_json_schema_gives_json_that_validates_completed(server, cli
     assert got.output_text == chat.choices[0].message.content
     assert got.text.format.type == "json_schema" and got.output[0].status == "completed"
     obj = _create(server, **GREEDY, input="any", text={"format": {"type": "json_object"}},
-                  max_output_tokens=200)  # fmt: skip
-    assert obj.status == "incomplete" or isinstance(json.loads(obj.output_text), dict)
+                  max_output_tokens=40)  # fmt: skip
+    said = _chat(client, [{"role": "user", "content": "any"}], max_tokens=40,
+                 response_format={"type": "json_object"}).choices[0]  # fmt: skip
+    assert obj.output_text == said.message.content and obj.output_text.startswith("{")
+    assert obj.status == ("incomplete" if said.finish_reason == "length" else "completed")
 
 
 # -- tools -------------------------------------------------------------------------------------
@@ -309,11 +350,9 @@ def test_a_thinking_model_gives_a_reasoning_item_then_its_message_whole_and_stre
     assert reasoning.content[0].type == "reasoning_text"
     assert reasoning.content[0].text == message["reasoning"]
     assert answer.type == "message" and whole.output_text == message["content"]
-    cut = chat["choices"][0]["finish_reason"] == "length"
-    assert whole.status == ("incomplete" if cut else "completed")
+    assert chat["choices"][0]["finish_reason"] == "stop" and whole.status == "completed"
     details = chat["usage"]["completion_tokens_details"]["reasoning_tokens"]
     assert whole.usage.output_tokens_details.reasoning_tokens == details == 7  # budget + tag
-    assert not cut and whole.status == "completed"
     # reasoning.effort is chat's reasoning_effort: "none" ends the block at once
     effortless = {k: v for k, v in body.items() if k != "thinking_token_budget"}
     none = _post(thinking_server, {**effortless, "reasoning": {"effort": "none"}}, headers=auth)
@@ -334,7 +373,7 @@ def test_a_thinking_model_gives_a_reasoning_item_then_its_message_whole_and_stre
     assert "".join(e.delta for e in said) == message["content"]
     assert {e.output_index for e in thought} == {0} and {e.output_index for e in said} == {1}
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
-    assert events[-1].type == ("response.incomplete" if cut else "response.completed")
+    assert events[-1].type == "response.completed"
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == message["reasoning"]
@@ -503,4 +542,12 @@ def test_an_engine_error_mid_stream_is_a_failed_response():
         EVENTS.validate_python(event)
     failed = events[-1]["response"]
     assert events[-1]["type"] == "response.failed" and failed["status"] == "failed"
+    # the message begun is ended where it was, before the failure
+    assert [e["type"] for e in events[-4:-1]] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert failed["output"][0]["status"] == "incomplete"
+    assert failed["output"][0]["content"][0]["text"] == "ab"
     assert failed["error"] == {"code": "server_error", "message": "generation failed: boom"}

@@ -497,21 +497,6 @@ def _call_item(item_id: str, call: dict, status: str) -> dict:
             "name": function["name"], "arguments": function["arguments"]}  # fmt: skip
 
 
-def output_items(message: dict, cut: bool) -> list[dict]:
-    """A chat message as output items: its reasoning, its text (also when there is nothing
-    else, if empty) and its tool calls; ``cut`` (max_output_tokens): the last one incomplete."""
-    items = []
-    if message.get("reasoning"):
-        items.append(_reasoning_item(new_id("rs"), message["reasoning"], "completed"))
-    calls = message.get("tool_calls") or []
-    if message.get("content") or not (items or calls):
-        items.append(_message_item(new_id("msg"), "assistant", message.get("content") or ""))
-    items.extend(_call_item(new_id("fc"), call, "completed") for call in calls)
-    if cut:
-        items[-1]["status"] = "incomplete"
-    return items
-
-
 def usage(chat_usage: dict) -> dict:
     """Chat's usage as the Responses'. Cached tokens are not counted (0)."""
     details = chat_usage.get("completion_tokens_details") or {}
@@ -559,25 +544,31 @@ def envelope(response_id: str, model: str, req: ResponsesRequest) -> dict:
     }
 
 
+# A chat finish reason's Responses status: what else ends a request (an abort: the client went
+# away) is cancelled, and not stored.
+STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
+
+
 def finished(head: dict, output: list[dict], finish_reason: str | None, chat_usage) -> dict:
     """The whole response: ``length`` (max_output_tokens) is ``incomplete``."""
-    cut = finish_reason == "length"
+    status = STATUS.get(finish_reason or "", "cancelled")
     return {
         **head,
-        "status": "incomplete" if cut else "completed",
+        "status": status,
         "completed_at": int(time.time()),
-        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "output": output,
         "usage": usage(chat_usage) if chat_usage is not None else None,
     }
 
 
 def response_object(head: dict, completion: dict) -> dict:
-    """A whole chat completion (one choice) as the response."""
+    """A whole chat completion (one choice) as the response: its message as one chunk through
+    the stream's writer, so that whole and streamed responses have the same items."""
     choice = completion["choices"][0]
-    cut = choice["finish_reason"] == "length"
-    output = output_items(choice["message"], cut)
-    return finished(head, output, choice["finish_reason"], completion["usage"])
+    writer = ResponseEvents(head)
+    writer.delta({"delta": choice["message"], "finish_reason": choice["finish_reason"]})
+    return writer.finish(choice["finish_reason"], completion["usage"])[-1]["response"]
 
 
 class ResponseEvents:
@@ -618,18 +609,21 @@ class ResponseEvents:
     def finish(self, finish_reason: str | None, chat_usage) -> list[dict]:
         """The open item done, and the whole response (``response.completed`` or
         ``response.incomplete``)."""
-        status = "incomplete" if finish_reason == "length" else "completed"
-        events = self._close(status)
-        if not self.output:  # nothing written: an empty message, as the whole response has
-            events += self._open("message") + self._close(status)
+        status = STATUS.get(finish_reason or "", "cancelled")
+        item_status = "completed" if status == "completed" else "incomplete"
+        events = self._close(item_status)
+        if not self.output:  # nothing written: an empty message
+            events += self._open("message") + self._close(item_status)
         response = finished(self.head, self.output, finish_reason, chat_usage)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return [*events, self.event(kind, response=response)]
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
+        return [*events, self.event(kind.get(status, "response.failed"), response=response)]
 
     def fail(self, exc: ApiError) -> list[dict]:
+        """The open item ended where it was, and the response failed."""
+        events = self._close("incomplete")
         error = {"code": "server_error", "message": str(exc)}
         response = {**self.head, "status": "failed", "error": error, "output": self.output}
-        return [self.event("response.failed", response=response)]
+        return [*events, self.event("response.failed", response=response)]
 
     def _write(self, kind: str, text: str) -> list[dict]:
         events = []
@@ -787,12 +781,12 @@ def install_responses_routes(app: FastAPI, server, handle) -> None:
         plan = to_chat(body, history)
 
         def keep(response: dict) -> None:
-            if body.store:
+            if body.store and response["status"] in ("completed", "incomplete"):
                 conversation = [*plan.conversation, assistant_message(response["output"])]
                 store.put(Stored(response, conversation, plan.items))
 
         async def answer(server, chat, choices, request, rid, render, shown):
-            head = envelope("resp_" + shown.split("-", 1)[1], server.model_name, body)
+            head = envelope("resp_" + rid.split("-", 1)[1], server.model_name, body)
             if not body.stream:
                 completion = await respond(server, chat, choices, request, rid, render, shown)
                 response = response_object(head, completion)
