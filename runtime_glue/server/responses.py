@@ -38,15 +38,6 @@ from runtime_glue.server.routes import ChunkStream, merged_outputs, respond
 
 MAX_STORED = 1000  # stored responses per server process (least recently used dropped)
 
-# Fields a chat request takes that mean the same here (vLLM's and rlt-hal's extras): passed on
-# as they are, checked (ranges included) by the chat request, whose errors name them alike.
-PASSED_ON = (
-    "seed", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "structured_outputs",
-    "chat_template_kwargs", "cache_salt", "exit_at_step", "exit_threshold", "weighted_exit",
-    "num_speculative_tokens", "priority", "prompt_cache_key", "safety_identifier",
-    "service_tier", "thinking_token_budget",
-)  # fmt: skip
 # A chat request's fields that the Responses API names otherwise (an unknown field's hint).
 CHAT_NAMES = {
     "max_tokens": "max_output_tokens",
@@ -77,7 +68,42 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # nothing is obfuscated here
 
 
-class ResponsesRequest(BaseModel):
+class PassedOn(BaseModel):
+    """Fields a chat request takes that mean the same here (vLLM's and rlt-hal's extras):
+    passed on as they are, checked (ranges included) by the chat request, whose errors name
+    them alike. Their types here, their ranges the chat request's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    exit_at_step: int | None = None
+    exit_threshold: float | None = None
+    weighted_exit: bool | None = None
+    num_speculative_tokens: int | None = None
+    priority: int | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    thinking_token_budget: int | None = None
+
+
+PASSED_ON = tuple(PassedOn.model_fields)
+
+
+class ResponsesRequest(PassedOn):
     """OpenAI's Responses request, with the chat request's extras that mean the same here."""
 
     model_config = ConfigDict(extra="forbid")
@@ -106,30 +132,6 @@ class ResponsesRequest(BaseModel):
     # the conversation's first items; refused by name rather than accepted as "disabled").
     truncation: Literal["auto", "disabled"] | None = None
     conversation: Any = None  # refused when set: continue with previous_response_id
-    # PASSED_ON: types here, ranges the chat request's.
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    structured_outputs: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    exit_at_step: int | None = None
-    exit_threshold: float | None = None
-    weighted_exit: bool | None = None
-    num_speculative_tokens: int | None = None
-    priority: int | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    service_tier: str | None = None
-    thinking_token_budget: int | None = None
 
     def check_supported(self) -> None:
         """What this server cannot do, refused by name (``ApiError``)."""
