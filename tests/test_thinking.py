@@ -231,6 +231,30 @@ def test_the_server_splits_what_the_model_wrote_whole_streamed_or_left_out(think
         parsed.stop()
 
 
+def test_a_schema_answer_after_free_reasoning_is_the_same_with_speculation(thinking):
+    """The issue's check on the server: a json_schema request with a reasoning parser gives
+    free reasoning and schema-valid JSON, and the same bits with drafts from the first loops
+    (deterministic mode, the cpu's default)."""
+    plain = ServerProcess(thinking, "--reasoning-parser", "deepseek_r1")
+    spec = ServerProcess(thinking, "--reasoning-parser", "deepseek_r1", "--speculative-loops", "2")
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    body = {"model": "toy", "messages": CHAT, "max_tokens": 64, "temperature": 0,
+            "response_format": fmt, "thinking_token_budget": 8,
+            "chat_template_kwargs": {"enable_thinking": True}, "logprobs": True}  # fmt: skip
+    try:
+        got = [_post(server, body).json()["choices"][0] for server in (plain, spec)]
+        assert got[0] == got[1]
+        message = got[0]["message"]
+        assert message["reasoning"] and got[0]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(message["content"]), SCHEMA)
+        metrics = httpx.get(spec.base + "/metrics").text
+        verified = re.search(r"^rlt_hal_spec_verify_steps_total (\S+)$", metrics, re.M)
+        assert verified and float(verified.group(1)) > 0  # drafts were verified
+    finally:
+        plain.stop()
+        spec.stop()
+
+
 # -- the engine: grammars after the reasoning, thinking budgets ------------------------------
 
 SCHEMA = {
