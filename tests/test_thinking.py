@@ -296,6 +296,15 @@ def test_a_schema_answer_follows_free_reasoning_that_the_budget_ends(r1):
     jsonschema.validate(json.loads(flat.outputs[0].content), SCHEMA)
 
 
+@pytest.mark.parametrize("mode", ["hf-exact", "fast"])
+def test_the_grammar_starts_after_the_reasoning_in_every_mode(thinking, mode):
+    llm = LLM(thinking, block_size=16, num_blocks=64, mode=mode, reasoning_parser="deepseek_r1")
+    [out] = llm.chat(CHAT, _json_after_thinking(4), chat_template_kwargs=OPENED)
+    got = out.outputs[0]
+    assert list(got.token_ids).index(_tags(llm)[1]) == 4 and got.finish_reason == "stop"
+    jsonschema.validate(json.loads(got.content), SCHEMA)
+
+
 def _spec(llm):
     from runtime_glue.engine.structured import parse_structured
 
