@@ -146,8 +146,10 @@ def test_the_server_splits_what_the_model_wrote_whole_streamed_or_left_out(think
         refused = _post(plain, body)  # a budget needs a parser
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "thinking_token_budget"
-        shaped = {**body, "structured_outputs": {"regex": f"[a-z]{{3,8}}{THINK_END}[a-z]{{2}}"}}
-        del shaped["thinking_token_budget"]
+        tok = LLM(thinking, block_size=16, num_blocks=16).tokenizer
+        end = tok.convert_tokens_to_ids(THINK_END)
+        shaped = {k: v for k, v in body.items() if k not in ("thinking_token_budget",
+                  "structured_outputs")} | {"max_tokens": 3, "logit_bias": {str(end): 100}}  # fmt: skip
         raw = _post(plain, shaped).json()  # no parser: one content, tags and all, no count
         assert THINK_END in raw["choices"][0]["message"]["content"]
         assert "reasoning" not in raw["choices"][0]["message"]
@@ -157,8 +159,6 @@ def test_the_server_splits_what_the_model_wrote_whole_streamed_or_left_out(think
         whole = _post(parsed, {**body, **ids}).json()
         message = whole["choices"][0]["message"]
         tokens = [int(t["token"][9:]) for t in whole["choices"][0]["logprobs"]["content"]]
-        tok = LLM(thinking, block_size=16, num_blocks=16).tokenizer
-        end = tok.convert_tokens_to_ids(THINK_END)
         assert tokens.index(end) == 6  # the budget's reasoning tokens, then the tag forced
         reasoning = tok.decode(tokens[:6])
         assert message["reasoning"] == message["reasoning_content"] == reasoning
@@ -434,3 +434,23 @@ def test_budgets_and_tags_are_refused_where_they_cannot_hold(r1, tiny_ckpt):
     r1.engine.add_request("free", [5, 6], SamplingParams(max_tokens=2))
     assert r1.engine.requests["free"].matcher is None
     r1.engine.abort_request("free")
+
+
+def test_a_token_the_grammar_engine_allows_then_refuses_ends_the_output_with_an_error(thinking):
+    """llguidance 1.9 marks the checkpoint's added tags as special tokens; a grammar whose text
+    spells one allows that token in its mask and then refuses to consume it. The engine must
+    not go on with a matcher left behind (it looped, writing the tag until max_tokens): the
+    output ends there, failed. A grammar engine that consumes the tag gives a match instead."""
+    llm = LLM(thinking, block_size=16, num_blocks=16)
+    end = _tags(llm)[1]
+    pattern = f"[a-z]{{3}} {THINK_END}[a-z]{{2,6}}"
+    params = SamplingParams(max_tokens=16, structured_outputs={"regex": pattern},
+                            logit_bias={end: 50.0})  # fmt: skip
+    llm.engine.add_request("g", [5, 9], params)
+    req = llm.engine.requests["g"]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    if req.finish_reason == "error":
+        assert "refused token" in req.error and req.output_ids.count(end) == 0
+    else:
+        assert re.fullmatch(pattern, req.text) and req.finish_reason == "stop"

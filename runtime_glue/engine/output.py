@@ -41,7 +41,10 @@ class Outputs:
     the EOS ids are the sampler's (one set stops requests and is banned before min_tokens)."""
 
     def __init__(
-        self, sampler: Sampler, stats: dict[str, int], finish: Callable[[Request, str], None]
+        self,
+        sampler: Sampler,
+        stats: dict[str, int],
+        finish: Callable[..., None],  # (request, reason, error=None): the engine's _finish
     ) -> None:
         self.sampler, self.stats, self.finish = sampler, stats, finish
 
@@ -59,7 +62,11 @@ class Outputs:
                     self.sampler.logprobs(sampled.logits[j], token, req.params.logprobs)
                 )
             if req.matcher is not None:
-                req.matcher.accept(token)
+                if not req.matcher.accept(token):  # its mask allowed what it now refuses
+                    self.finish(req, "error", f"the grammar engine refused token {token}, "
+                                "which its own mask allowed; the output was ended there")  # fmt: skip
+                    self.stats["failed"] += 1
+                    break
                 req.matcher = req.matcher.settled()  # (emitted tokens are never taken back)
             req.output_ids.append(token)
             req.exit_steps.append(sampled.exit_steps[j])
