@@ -123,6 +123,7 @@ class Engine:
         self._compiler: GrammarCompiler | None = None
         self.reasoning = reasoning
         self._tags: ThinkingTags | str | None = None
+        self._told_tags = False
 
     def _speculator(self, speculative: SpeculativeConfig | None) -> Speculator | None:
         if speculative is None:
@@ -259,7 +260,9 @@ class Engine:
             return inner
         tags = self.thinking_tags()
         if not isinstance(tags, ThinkingTags):
-            logger.warning("grammar from the first token: %s", tags)
+            if not self._told_tags:  # once: the same for every request
+                logger.warning("--reasoning-parser: grammars from the first token: %s", tags)
+                self._told_tags = True
             return inner
         begins = self.reasoning.begins(
             self.reasoning.prompt_opens(self.tokenizer.decode, req.prompt_ids)
