@@ -6,6 +6,7 @@ Thinking checkpoint; stored responses; refusals naming the Responses field."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -23,6 +24,7 @@ from runtime_glue.server.responses import (
     ResponseStore,
     Stored,
 )
+from tests.helpers import with_tool_template
 from tests.server_helpers import ServerProcess
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -266,6 +268,43 @@ def body_of(body: dict) -> dict:
     out = {k: v for k, v in body.items() if k in known}
     extra = {k: v for k, v in body.items() if k not in known and k != "model"}
     return {**out, "extra_body": extra} if extra else out
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_ckpt, tmp_path_factory):
+    """A server whose chat template renders tools: tool_choice 'auto' parses the calls."""
+    proc = ServerProcess(with_tool_template(tiny_ckpt, tmp_path_factory.mktemp("tools")))
+    yield proc
+    proc.stop()
+
+
+def test_an_auto_call_after_some_text_is_a_message_then_a_function_call(tool_server):
+    """The model is made to write text and then a Hermes call block (a regex): the response
+    holds the text as a message and the call as a function_call item, whole and streamed."""
+    said = (
+        'let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    body = {**GREEDY, "input": "weather?", "tools": [WEATHER], "max_output_tokens": 80,
+            "structured_outputs": {"regex": re.escape(said)}}  # fmt: skip
+    whole = _create(tool_server, **body)
+    message, call = whole.output
+    assert message.type == "message" and whole.output_text == "let me look. "
+    assert (call.type, call.name, json.loads(call.arguments)) == (
+        "function_call",
+        "get_weather",
+        {"city": "Oslo"},
+    )
+    assert whole.status == "completed"
+    events = _sse(tool_server, body)
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    kinds = [e["type"] for e in events]
+    assert text == "let me look. "
+    assert kinds.index("response.output_text.done") < kinds.index(
+        "response.function_call_arguments.delta"
+    )
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert final["output"][1]["arguments"] == call.arguments
 
 
 # -- streams -----------------------------------------------------------------------------------
