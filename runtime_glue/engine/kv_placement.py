@@ -122,13 +122,28 @@ class PerDepth:
 
     # -- addressing ------------------------------------------------------------------------
 
-    def entry(self, req: Request, n: int, ctx: int) -> tuple:
-        """One attention entry: ``n`` rows of ``req`` after ``ctx`` computed positions."""
-        return (n, ctx, req.blocks)
+    def entry(self, req: Request, n: int, ctx: int, loop: int = 0) -> tuple:
+        """One attention entry: ``n`` rows of ``req`` after ``ctx`` computed positions, run
+        at ``loop`` by a step that calls every layer at loop 0 (depth-wise rows,
+        docs/depth-batching.md); a plain step's entries are at loop 0 and run every loop."""
+        if not 0 <= loop < self.loops:
+            raise ValueError(f"loop must be in [0, {self.loops}), got {loop}")
+        return (n, ctx, req.blocks, loop)
 
     def addressing(self, entries: list[tuple]) -> KVAddressing:
+        """The step's addressing. An entry at loop ``t`` has its blocks shifted by ``t`` loops'
+        planes (``t * layers * num_blocks``): called with layer ``l``'s loop-0 plane, its rows
+        reach plane ``t * layers + l`` (block ids may reach past a plane: ``AttentionMetadata``),
+        so rows at different loops share one pass over the layers. Each entry's slots are
+        checked against its own plane first."""
         slots = self.allocator.num_blocks * self.block_size
-        meta = AttentionMetadata.build(self.block_size, entries, slots)  # checked on the host
+        plain = [(n, ctx, blocks) for n, ctx, blocks, _ in entries]
+        meta = AttentionMetadata.build(self.block_size, plain, slots)  # checked on the host
+        if any(loop for *_, loop in entries):
+            shift = self.layers * self.allocator.num_blocks
+            shifted = [(n, c, [b + loop * shift for b in bl]) for n, c, bl, loop in entries]
+            reach = ((self.loops - 1) * self.layers + 1) * slots  # from layer 0's plane
+            meta = AttentionMetadata.build(self.block_size, shifted, reach)
         return KVAddressing.uniform(meta, self.layers, slots)
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -199,7 +214,9 @@ class SharedDecode(PerDepth):
         self.shared.reclaim(wait=wait)
         self.allocator.reclaim(wait=wait)
 
-    def entry(self, req: Request, n: int, ctx: int) -> tuple:
+    def entry(self, req: Request, n: int, ctx: int, loop: int = 0) -> tuple:
+        if loop:  # each loop's own tables, offset per row: docs/depth-batching.md, section 3
+            raise NotImplementedError("depth-wise rows under decode KV sharing: not built yet")
         return (n, ctx, req.blocks, len(req.prompt_ids), req.gen_blocks)
 
     def addressing(self, entries: list[tuple]) -> KVAddressing:
