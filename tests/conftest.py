@@ -251,6 +251,17 @@ def default_server():
 
 
 @pytest.fixture(scope="module")
+def tool_server(tiny_ckpt, tmp_path_factory):
+    """A server on the tiny checkpoint with a chat template that renders tools (Hermes'
+    manner): tool_choice 'auto' runs there and parses the calls the model writes."""
+    from tests.helpers import with_tool_template
+
+    proc = ServerProcess(with_tool_template(tiny_ckpt, tmp_path_factory.mktemp("tools")))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
 def server(tiny_ckpt):
     """A real ``rlt-hal serve`` process on a loopback port, one per test module (logging its
     requests, as a deployment would)."""

@@ -351,17 +351,6 @@ def test_langchain_over_the_responses_api_reads_the_reasoning_and_makes_a_tool_c
     GetWeather(**call["args"])
 
 
-@pytest.fixture(scope="module")
-def tool_server(tiny_ckpt, tmp_path_factory):
-    """A server whose chat template renders tools: tool_choice 'auto' runs there."""
-    from tests.helpers import with_tool_template
-    from tests.server_helpers import ServerProcess
-
-    proc = ServerProcess(with_tool_template(tiny_ckpt, tmp_path_factory.mktemp("tools")))
-    yield proc
-    proc.stop()
-
-
 @_needs("agents")
 def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool_to_completion(tool_server):
     from agents import (

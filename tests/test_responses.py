@@ -24,7 +24,6 @@ from runtime_glue.server.responses import (
     ResponseStore,
     Stored,
 )
-from tests.helpers import with_tool_template
 from tests.server_helpers import ServerProcess
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -268,14 +267,6 @@ def body_of(body: dict) -> dict:
     out = {k: v for k, v in body.items() if k in known}
     extra = {k: v for k, v in body.items() if k not in known and k != "model"}
     return {**out, "extra_body": extra} if extra else out
-
-
-@pytest.fixture(scope="module")
-def tool_server(tiny_ckpt, tmp_path_factory):
-    """A server whose chat template renders tools: tool_choice 'auto' parses the calls."""
-    proc = ServerProcess(with_tool_template(tiny_ckpt, tmp_path_factory.mktemp("tools")))
-    yield proc
-    proc.stop()
 
 
 def test_an_auto_call_after_some_text_is_a_message_then_a_function_call(tool_server):

@@ -16,7 +16,6 @@ from pydantic import BaseModel, Field
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.server.tools import MAX_PARALLEL_CALLS, AutoStream, ToolPlan, _hermes_calls
-from tests.helpers import with_tool_template
 from tests.server_helpers import ServerProcess
 
 SPECULATION = ("--speculative-loops", "1", "--num-speculative-tokens", "3")
@@ -324,15 +323,8 @@ def test_tool_choice_none_answers_in_text(client):
 # -- auto, with a template that renders tools ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def hermes_server(tiny_ckpt, tmp_path_factory):
-    proc = ServerProcess(with_tool_template(tiny_ckpt, tmp_path_factory.mktemp("hermes")))
-    yield proc
-    proc.stop()
-
-
-def test_auto_renders_the_tools_and_parses_the_calls_the_model_writes(hermes_server):
-    client = openai.OpenAI(base_url=hermes_server.base + "/v1", api_key="x", max_retries=0)
+def test_auto_renders_the_tools_and_parses_the_calls_the_model_writes(tool_server):
+    client = openai.OpenAI(base_url=tool_server.base + "/v1", api_key="x", max_retries=0)
     bare = client.chat.completions.create(model="toy", messages=USER, max_tokens=1)
     # The model is made to write a call (a regex): auto must find it, streamed or not.
     said = (
