@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from runtime_glue.engine.args import EngineArgs
 from runtime_glue.engine.core import InvalidRequest
 from runtime_glue.engine.llm import build_llm
-from runtime_glue.engine.reasoning import effort_budget
+from runtime_glue.engine.reasoning import ThinkingTags, effort_budget
 from runtime_glue.engine.request import RequestUpdate
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.structured import StructuredOutputError, StructuredSpec
@@ -394,7 +394,11 @@ def _install_routes(app: FastAPI, server: Server) -> None:
         chat = isinstance(body, ChatCompletionRequest)
         texts = await server.prompt_texts(body, prompts)
         opened = server.prompt_opens(prompts[0]) if chat else None
-        render = Render(chat, body, server.decode_one, texts, tools, server.reasoning, opened)
+        tags = server.llm.engine.thinking_tags()
+        end_id = tags.end if isinstance(tags, ThinkingTags) else None
+        render = Render(
+            chat, body, server.decode_one, texts, tools, server.reasoning, opened, end_id
+        )
         rid = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever the client sends
         shown = f"{prefix}-{body.request_id}" if body.request_id else rid  # vLLM's request_id
         if server.log_requests:

@@ -78,10 +78,12 @@ class Render:
         tools: ToolPlan | None = None,
         reasoning: ReasoningParser | None = None,
         opened: bool | None = None,
+        end_id: int | None = None,
     ) -> None:
         self.chat, self.body, self.decode = chat, body, decode
         self.reasoning = reasoning if chat else None
         self.opened = opened  # what the prompt did to the reasoning block (prompt_opens)
+        self.end_id = end_id  # the end tag's token (ThinkingTags), where it is one token
         self.prompt_texts, self.tools = prompt_texts or [], tools
         self.echo = not chat and body.echo
         self.object = "chat.completion" if chat else "text_completion"
@@ -125,6 +127,9 @@ class Render:
         opens = begins == UNDECIDED and out.text.startswith(parser.start)
         if begins != THINKING and not opens:
             return 0
+        ids = out.token_ids
+        if self.end_id is not None:
+            return ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)
         text = ""
         for i, token in enumerate(out.token_ids):
             text += self.decode(token)

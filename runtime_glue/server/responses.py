@@ -22,9 +22,7 @@ plain text).
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 from collections import OrderedDict
 from typing import Annotated, Any, Literal, NoReturn
 
@@ -34,6 +32,15 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from runtime_glue.server.protocol import ApiError, ChatCompletionRequest, param_name
+from runtime_glue.server.response_output import (
+    ResponseEvents,
+    assistant_message,
+    call_item,
+    message_item,
+    new_id,
+    response_object,
+    sse,
+)
 from runtime_glue.server.routes import ChunkStream, merged_outputs, respond
 
 MAX_STORED = 1000  # stored responses per server process (least recently used dropped)
@@ -168,10 +175,6 @@ def _refuse(param: str | None, message: str, status: int = 400) -> NoReturn:
     raise ApiError(status, message, param=param)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 # -- the request, as a chat request --------------------------------------------------------
 
 
@@ -183,33 +186,32 @@ class _Part(BaseModel):
     logprobs: list[Any] | None = None
 
 
-class _Message(BaseModel):
+class _Item(BaseModel):
+    """What every input item may carry besides its own fields (an output item sent back)."""
+
     model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    status: str | None = None
+
+
+class _Message(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[_Part]
-    id: str | None = None
-    status: str | None = None
     phase: str | None = None
 
 
-class _FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _FunctionCall(_Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class _FunctionCallOutput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _FunctionCallOutput(_Item):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[_Part]
-    id: str | None = None
-    status: str | None = None
 
 
 _TEXT_PARTS = ("input_text", "output_text")
@@ -324,7 +326,7 @@ class _Conversation:
             msg = _parse(_Message, raw, where)
             k = self.add({"role": msg.role, "content": _parts(msg.content)}, where)
             self._calls_to = k if msg.role == "assistant" else None
-            self.items.append(_message_item(msg.id or new_id("msg"), msg.role, msg.content))
+            self.items.append(message_item(msg.id or new_id("msg"), msg.role, msg.content))
         elif kind == "function_call":
             call = _parse(_FunctionCall, raw, where)
             tool_call = {"id": call.call_id, "type": "function",
@@ -338,7 +340,7 @@ class _Conversation:
             self.origins.add(chat, where, False)
             self.origins.add(chat + ".function", where)
             self._calls_to = to
-            self.items.append(_call_item(call.id or new_id("fc"), tool_call, "completed"))
+            self.items.append(call_item(call.id or new_id("fc"), tool_call, "completed"))
         elif kind == "function_call_output":
             out = _parse(_FunctionCallOutput, raw, where)
             k = self.add(
@@ -439,7 +441,7 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> Translation:
         conv.add(message, "previous_response_id", False)
     if isinstance(req.input, str):
         conv.add({"role": "user", "content": req.input}, "input", False)
-        conv.items.append(_message_item(new_id("msg"), "user", req.input))
+        conv.items.append(message_item(new_id("msg"), "user", req.input))
     else:
         for i, raw in enumerate(req.input):
             conv.item(i, raw)
@@ -472,43 +474,7 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> Translation:
     return Translation(chat, conversation, conv.items, origins)
 
 
-# -- the response ---------------------------------------------------------------------------
-
-
-def _message_item(item_id: str, role: str, content, status: str = "completed") -> dict:
-    """A message item: an input message's (input_text parts) or the model's (output_text)."""
-    texts = [content] if isinstance(content, str) else [p.text for p in content]
-    parts: list[dict]
-    if role == "assistant":
-        parts = [
-            {"type": "output_text", "text": t, "annotations": [], "logprobs": []} for t in texts
-        ]
-    else:
-        parts = [{"type": "input_text", "text": t} for t in texts]
-    return {"id": item_id, "type": "message", "role": role, "status": status, "content": parts}
-
-
-def _reasoning_item(item_id: str, text: str, status: str) -> dict:
-    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
-
-
-def _call_item(item_id: str, call: dict, status: str) -> dict:
-    function = call["function"]
-    return {"id": item_id, "type": "function_call", "call_id": call["id"], "status": status,
-            "name": function["name"], "arguments": function["arguments"]}  # fmt: skip
-
-
-def usage(chat_usage: dict) -> dict:
-    """Chat's usage as the Responses'. Cached tokens are not counted (0)."""
-    details = chat_usage.get("completion_tokens_details") or {}
-    return {
-        "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
-        "total_tokens": chat_usage["total_tokens"],
-    }
+# -- the response's head -----------------------------------------------------------------
 
 
 def envelope(response_id: str, model: str, req: ResponsesRequest) -> dict:
@@ -544,186 +510,6 @@ def envelope(response_id: str, model: str, req: ResponsesRequest) -> dict:
         "user": req.user,
         "metadata": req.metadata or {},
     }
-
-
-# A chat finish reason's Responses status: what else ends a request (an abort: the client went
-# away) is cancelled, and not stored.
-STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}
-
-
-def finished(head: dict, output: list[dict], finish_reason: str | None, chat_usage) -> dict:
-    """The whole response: ``length`` (max_output_tokens) is ``incomplete``."""
-    status = STATUS.get(finish_reason or "", "cancelled")
-    return {
-        **head,
-        "status": status,
-        "completed_at": int(time.time()),
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "output": output,
-        "usage": usage(chat_usage) if chat_usage is not None else None,
-    }
-
-
-def response_object(head: dict, completion: dict) -> dict:
-    """A whole chat completion (one choice) as the response: its message as one chunk through
-    the stream's writer, so that whole and streamed responses have the same items."""
-    choice = completion["choices"][0]
-    writer = ResponseEvents(head)
-    writer.delta({"delta": choice["message"], "finish_reason": choice["finish_reason"]})
-    return writer.finish(choice["finish_reason"], completion["usage"])[-1]["response"]
-
-
-class ResponseEvents:
-    """The Responses stream events of one chat stream's chunk payloads, numbered: an item is
-    added when its first text comes (reasoning, then the message) and done when the next
-    begins or the response ends; tool calls come whole, at the end, as chat's do."""
-
-    def __init__(self, head: dict) -> None:
-        self.head, self.seq = head, 0
-        self.output: list[dict] = []
-        self.open: dict | None = None  # the item being written: reasoning or message
-
-    def event(self, kind: str, **fields) -> dict:
-        self.seq += 1
-        return {"type": kind, "sequence_number": self.seq - 1, **fields}
-
-    def start(self) -> list[dict]:
-        return [
-            self.event("response.created", response=self.head),
-            self.event("response.in_progress", response=self.head),
-        ]
-
-    def delta(self, payload: dict) -> list[dict]:
-        """The events of one chunk payload (chat's ``delta``)."""
-        delta, events = payload["delta"], []
-        if delta.get("reasoning"):
-            events += self._write("reasoning", delta["reasoning"])
-        if delta.get("content"):
-            events += self._write("message", delta["content"])
-        calls = delta.get("tool_calls") or []
-        if calls:
-            events += self._close("completed")
-        for k, call in enumerate(calls):
-            cut = payload.get("finish_reason") == "length" and k == len(calls) - 1
-            events += self._call(call, "incomplete" if cut else "completed")
-        return events
-
-    def finish(self, finish_reason: str | None, chat_usage) -> list[dict]:
-        """The open item done, and the whole response (``response.completed`` or
-        ``response.incomplete``)."""
-        status = STATUS.get(finish_reason or "", "cancelled")
-        item_status = "completed" if status == "completed" else "incomplete"
-        events = self._close(item_status)
-        if not self.output:  # nothing written: an empty message
-            events += self._open("message") + self._close(item_status)
-        response = finished(self.head, self.output, finish_reason, chat_usage)
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}
-        return [*events, self.event(kind.get(status, "response.failed"), response=response)]
-
-    def fail(self, exc: ApiError) -> list[dict]:
-        """The open item ended where it was, and the response failed."""
-        events = self._close("incomplete")
-        error = {"code": "server_error", "message": str(exc)}
-        response = {**self.head, "status": "failed", "error": error, "output": self.output}
-        return [*events, self.event("response.failed", response=response)]
-
-    def _write(self, kind: str, text: str) -> list[dict]:
-        events = []
-        if self.open is None or self.open["type"] != kind:
-            events = self._close("completed") + self._open(kind)
-        item = self.open
-        assert item is not None
-        item["text"] += text
-        name = (
-            "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        )
-        extra: dict = {"logprobs": []} if kind == "message" else {}
-        events.append(self.event(name, **self._where(), content_index=0, delta=text, **extra))
-        return events
-
-    def _where(self) -> dict:
-        assert self.open is not None
-        return {"item_id": self.open["id"], "output_index": len(self.output)}
-
-    def _part(self, kind: str, text: str) -> dict:
-        if kind == "reasoning":
-            return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def _item(self, kind: str, item_id: str, text: str, status: str) -> dict:
-        if kind == "reasoning":
-            return _reasoning_item(item_id, text, status)
-        return _message_item(item_id, "assistant", text, status)
-
-    def _open(self, kind: str) -> list[dict]:
-        item_id = new_id("rs" if kind == "reasoning" else "msg")
-        self.open = {"type": kind, "id": item_id, "text": ""}
-        added = {**self._item(kind, item_id, "", "in_progress"), "content": []}
-        return [
-            self.event("response.output_item.added", output_index=len(self.output), item=added),
-            self.event(
-                "response.content_part.added",
-                **self._where(),
-                content_index=0,
-                part=self._part(kind, ""),
-            ),  # fmt: skip
-        ]
-
-    def _close(self, status: str) -> list[dict]:
-        if self.open is None:
-            return []
-        kind, text, where = self.open["type"], self.open["text"], self._where()
-        if kind == "reasoning":
-            done = self.event("response.reasoning_text.done", **where, content_index=0, text=text)
-        else:
-            done = self.event("response.output_text.done", **where, content_index=0, text=text,
-                              logprobs=[])  # fmt: skip
-        item = self._item(kind, self.open["id"], text, status)
-        events = [
-            done,
-            self.event(
-                "response.content_part.done", **where, content_index=0, part=self._part(kind, text)
-            ),  # fmt: skip
-            self.event("response.output_item.done", output_index=len(self.output), item=item),
-        ]
-        self.output.append(item)
-        self.open = None
-        return events
-
-    def _call(self, call: dict, status: str) -> list[dict]:
-        item = _call_item(new_id("fc"), call, status)
-        index, arguments = len(self.output), item["arguments"]
-        where = {"item_id": item["id"], "output_index": index}
-        self.output.append(item)
-        return [
-            self.event(
-                "response.output_item.added",
-                output_index=index,
-                item={**item, "arguments": "", "status": "in_progress"},
-            ),  # fmt: skip
-            self.event("response.function_call_arguments.delta", **where, delta=arguments),
-            self.event("response.function_call_arguments.done", **where, arguments=arguments),
-            self.event("response.output_item.done", output_index=index, item=item),
-        ]
-
-
-def _sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
-def assistant_message(output: list[dict]) -> dict:
-    """A response's output as the chat message that continues its conversation (its
-    reasoning left out, as chat templates leave earlier turns' out)."""
-    texts = [p["text"] for item in output if item["type"] == "message" for p in item["content"]]
-    calls = [
-        {"id": item["call_id"], "type": "function",
-         "function": {"name": item["name"], "arguments": item["arguments"]}}
-        for item in output if item["type"] == "function_call"
-    ]  # fmt: skip
-    message: dict = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
-    if calls:
-        message["tool_calls"] = calls
-    return message
 
 
 # -- the store and the routes --------------------------------------------------------------
@@ -856,21 +642,21 @@ def install_responses_routes(app: FastAPI, server, handle) -> None:
 async def _events(writer: ResponseEvents, stream: ChunkStream, outputs, keep):
     """The SSE of a streamed response; it is stored (``keep``) when it has finished."""
     for event in writer.start():
-        yield _sse(event)
+        yield sse(event)
     reason = None
     try:
         async for _choice, payload, _tokens in outputs:
             reason = payload.get("finish_reason") or reason
             for event in writer.delta(payload):
-                yield _sse(event)
+                yield sse(event)
     except ApiError as exc:
         for event in writer.fail(exc):
-            yield _sse(event)
+            yield sse(event)
         return
     if reason is None:  # the client has gone; nobody reads on
         return
     *events, last = writer.finish(reason, stream.usage())
     for event in events:
-        yield _sse(event)
+        yield sse(event)
     keep(last["response"])
-    yield _sse(last)
+    yield sse(last)
