@@ -98,6 +98,17 @@ class LeakyBackend(EagerBackend):
         return out
 
 
+class NudgedBackend(EagerBackend):
+    """Claims HF's bits but scales each call's last row by 1 + 2^-7 (about an ulp): the same
+    greedy tokens, other logits, in every run."""
+    name = "nudged"
+
+    def forward(self, query, plane, kv, meta, scaling, deterministic=False):
+        out = super().forward(query, plane, kv, meta, scaling, deterministic)
+        out[-1:] = (out[-1:].float() * (1 + 2**-7)).to(out.dtype)
+        return out
+
+
 def tailless(x, w):
     """Drops K's tail beyond a multiple of 8."""
     k = x.shape[-1] // 8 * 8
@@ -166,7 +177,10 @@ KERNELS = [
 @hookimpl
 def rlt_hal_register_drivers():
     def make(**_):
-        return CpuDriver("leaky", CpuDevice(), {"leaky": LeakyBackend()}, "leaky", KERNELS)
+        return CpuDriver(
+            "leaky", CpuDevice(), {"nudged": NudgedBackend(), "leaky": LeakyBackend()}, "leaky",
+            KERNELS,
+        )
 
     return [DriverSpec("leaky", lambda: ProbeResult(True), make)]
 '''
@@ -175,8 +189,8 @@ def rlt_hal_register_drivers():
 def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_the_kit(tmp_path):
     """Planted bugs: a leaky mask, a dropped K tail, a zeroed stacked column, a row summed
     differently in one call shape, an int4 kernel reading a wrong group's scale, a W8A8
-    static kernel that drops quant_bias, and a rotary kernel that claims HF's bits but rounds
-    once."""
+    static kernel that drops quant_bias, a rotary kernel that claims HF's bits but rounds
+    once, and an attention backend that claims them but moves a row by an ulp."""
     (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
     dist = tmp_path / "leaky_driver-0.1.dist-info"
     dist.mkdir()
@@ -192,3 +206,4 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     assert "wronggroup (group 32): 1x256 @ 256x96 exceeds the bound" in proc.stdout
     assert "biasless (group None): 1x256 @ 256x96 exceeds the bound" in proc.stdout
     assert "AssertionError: rotary oneround" in proc.stdout
+    assert "nudged: logits differ from cpu (twice)" in proc.stdout
