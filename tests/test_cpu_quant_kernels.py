@@ -309,7 +309,9 @@ def test_the_w4a8_kernel_rejects_a_weight_not_in_its_octet_layout():
 )
 def test_the_vnni_kernels_give_the_avx2_kernels_bits(scheme, group):
     """vpdpbusd sums the same four products into each int32 lane as vpmaddubsw + vpmaddwd:
-    every output bit equal, at decode and prefill row counts, with -128 in an int8 weight."""
+    every output bit equal, at decode and prefill row counts, with -128 in an int8 weight.
+    Row counts up to a register block read several weight streams at once (six rows, four
+    octets): 100 and 50 rows leave rows and octets over for the one-stream loop."""
     try:
         quant_kernels.vnni_available()
     except KernelUnavailable as exc:
@@ -319,7 +321,7 @@ def test_the_vnni_kernels_give_the_avx2_kernels_bits(scheme, group):
     names = {"int8": ("int8-a8", "int8-token"), "int8g": ("int8g-a8",), "int4": ("int4-a8",)}
     lo = -8 if scheme == "int4" else -128
     for name in names[scheme]:
-        for m, n, k in ((1, 96, 256), (5, 40, 384), (33, 24, 256)):
+        for m, n, k in ((1, 96, 256), (1, 100, 256), (4, 50, 384), (5, 40, 384), (33, 24, 256)):
             q = torch.randint(lo, -lo, (n, k), generator=gen)
             scale = torch.rand(n, k // group if group else 1, generator=gen) / 64
             w = from_integers(q, scale if group else scale[:, 0], scheme, group)

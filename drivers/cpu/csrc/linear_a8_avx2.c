@@ -161,22 +161,30 @@ INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, in
 }
 
 #ifdef RLT_A8_VNNI
-/* row8 for two weight rows far apart at once (the VNNI build, whose 32 vector registers hold
- * both): two streams a thread, block b of each in turn; each row's arithmetic is row8's, in
- * the same order: the same bits. */
-INLINE void row8_two(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
-                     const int8_t *w0, const uint16_t *scale0, uint16_t *y0, const int8_t *w1,
-                     const uint16_t *scale1, uint16_t *y1, int K, int group, int ldy, int full) {
+/* row8 for R weight rows far apart at once (the VNNI build, whose 32 vector registers hold
+ * their accumulators): R streams a thread, block b of each in turn; each row's arithmetic is
+ * row8's, in the same order: the same bits. Decode (one register block of input rows) reads
+ * STREAMS rows at once: over 24 layers of ouro-1.4b-shape (4.93 GB a token, not
+ * cache-resident, 2 threads) 244-266 ms a token against 317-320 ms with two (AVX-512 Xeon);
+ * more input rows keep two (6 streams' 24 accumulators: 25-26 ms against 23 ms for 64 rows of
+ * an 11264 x 2048 projection). */
+#define STREAMS 6
+INLINE void row8_multi(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
+                       const int8_t *const *ws, const uint16_t *const *scales,
+                       uint16_t *const *ys, int K, int group, int ldy, int full, int R) {
     int nblk = K / QB, ldd = ldq / QB;
-    const int8_t *ws[2] = {w0, w1};
-    const uint16_t *scales[2] = {scale0, scale1}, *next[2] = {scale0, scale1};
-    uint16_t *ys[2] = {y0, y1};
-    __m256 acc[2][MB];
-    for (int j = 0; j < MB; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
-    int per = group / QB, left[2] = {0, 0};
-    float sg[2] = {1.0f, 1.0f};
+    const uint16_t *next[STREAMS];
+    __m256 acc[STREAMS][MB];
+    int per = group / QB, left[STREAMS];
+    float sg[STREAMS];
+    for (int r = 0; r < R; r++) {
+        next[r] = scales[r];
+        left[r] = 0;
+        sg[r] = 1.0f;
+        for (int j = 0; j < MB; j++) acc[r][j] = _mm256_setzero_ps();
+    }
     for (int b = 0; b < nblk; b++) {
-        for (int r = 0; r < 2; r++) {
+        for (int r = 0; r < R; r++) {
             const int8_t *w = ws[r];
             if (b % 2 == 0) _mm_prefetch((const char *)(w + b * QB) + PREFETCH, _MM_HINT_T0);
             if (per && left[r]-- == 0) {
@@ -193,7 +201,7 @@ INLINE void row8_two(const int8_t *xq, const int8_t *xa, const float *d, int ldq
             }
         }
     }
-    for (int r = 0; r < 2; r++)
+    for (int r = 0; r < R; r++)
         for (int j = 0; j < mb; j++) {
             float t = hsum(acc[r][j]);
             const int8_t *xj = xq + (size_t)j * ldq;
@@ -234,29 +242,36 @@ static int linear_a8(const uint16_t *x, const int8_t *w, const uint16_t *scale, 
      * reads rows n and n + N / 2 together (two streams: 1.06-1.14x faster on a 2-core
      * AVX-512 Xeon). */
 #ifdef RLT_A8_VNNI
-    int half = N / 2; /* rows n and n + half together: two streams a thread */
+    int R = M <= MB ? STREAMS : 2;
+    int part = N / R; /* rows n, n + part, ... together: R streams a thread */
 #pragma omp parallel for schedule(static)
-    for (int n = 0; n < half; n++) {
-        const int8_t *w0 = w + (size_t)n * K, *w1 = w + (size_t)(n + half) * K;
-        const uint16_t *s0 = scale + n * srow, *s1 = scale + (n + half) * srow;
+    for (int n = 0; n < part; n++) {
+        const int8_t *ws[STREAMS];
+        const uint16_t *ss[STREAMS];
+        for (int r = 0; r < R; r++) {
+            ws[r] = w + (size_t)(n + r * part) * K;
+            ss[r] = scale + (n + r * part) * srow;
+        }
         for (int j0 = 0; j0 < M; j0 += MB) {
             int mb = M - j0 < MB ? M - j0 : MB;
             const int8_t *xb = xq + (size_t)j0 * ldq, *ab = xa + (size_t)j0 * ldq;
             const float *db = d + (size_t)j0 * blocks;
-            uint16_t *y0 = y + (size_t)j0 * N + n, *y1 = y0 + half;
-#define ROW8_TWO(FULL)                                                                     \
-    if (mb == MB) row8_two(xb, ab, db, ldq, MB, w0, s0, y0, w1, s1, y1, K, group, N, FULL); \
-    else if (mb == 1) row8_two(xb, ab, db, ldq, 1, w0, s0, y0, w1, s1, y1, K, group, N, FULL); \
-    else row8_two(xb, ab, db, ldq, mb, w0, s0, y0, w1, s1, y1, K, group, N, FULL);
+            uint16_t *ys[STREAMS];
+            for (int r = 0; r < R; r++) ys[r] = y + (size_t)j0 * N + n + r * part;
+#define ROW8_MULTI(FULL)                                                                  \
+    if (R == 2 && mb == MB) row8_multi(xb, ab, db, ldq, MB, ws, ss, ys, K, group, N, FULL, 2); \
+    else if (R == 2) row8_multi(xb, ab, db, ldq, mb, ws, ss, ys, K, group, N, FULL, 2);    \
+    else if (mb == 1) row8_multi(xb, ab, db, ldq, 1, ws, ss, ys, K, group, N, FULL, STREAMS); \
+    else row8_multi(xb, ab, db, ldq, mb, ws, ss, ys, K, group, N, FULL, STREAMS);
             if (full) {
-                ROW8_TWO(1)
+                ROW8_MULTI(1)
             } else {
-                ROW8_TWO(0)
+                ROW8_MULTI(0)
             }
-#undef ROW8_TWO
+#undef ROW8_MULTI
         }
     }
-    int first = 2 * half; /* an odd row left: one stream */
+    int first = R * part; /* rows left over: one stream */
 #else
     int first = 0;
 #endif
@@ -458,21 +473,27 @@ INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq
 }
 
 #ifdef RLT_A8_VNNI
-/* Two octets far apart in one pass (the VNNI build, whose 32 vector registers hold both): two
- * weight streams a thread instead of one, block b of each in turn. Each octet's lanes do
- * exactly what octet4's do, in the same order: the same bits. */
-INLINE void octet4_two(const int8_t *xq, const int32_t *sx8, const float *d, int ldq, int mb,
-                       const uint8_t *wa, const uint16_t *sa, uint16_t *ya, int nva,
-                       const uint8_t *wb_, const uint16_t *sb_, uint16_t *yb_, int nvb, int K,
-                       int group, int ldy) {
+/* R octets far apart in one pass (the VNNI build, whose 32 vector registers hold their
+ * accumulators): R weight streams a thread instead of one, block b of each in turn. Each
+ * octet's lanes do exactly what octet4's do, in the same order: the same bits. Decode (one
+ * register block of input rows) reads OCTET_STREAMS octets at once: over 24 layers of
+ * ouro-1.4b-shape (2.77 GB a token, not cache-resident, 2 threads) 151-181 ms (median 156)
+ * against 164-184 ms (median 175) with two (AVX-512 Xeon, load 1.5-1.8); more input rows keep
+ * two (four: 10.4-10.5 ms against 9.4-9.6 ms for 64 rows of an 11264 x 2048 projection). */
+#define OCTET_STREAMS 4
+INLINE void octet4_multi(const int8_t *xq, const int32_t *sx8, const float *d, int ldq, int mb,
+                         const uint8_t *const *ws, const uint16_t *const *ss,
+                         uint16_t *const *ys, const int *nvs, int K, int group, int ldy,
+                         int R) {
     int nblk = K / QB, ldd = ldq / QB, per = group / QB;
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc[2][MB], sc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int j = 0; j < MB; j++) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
-    const uint8_t *ws[2] = {wa, wb_};
-    const uint16_t *ss[2] = {sa, sb_};
+    __m256 acc[OCTET_STREAMS][MB], sc[OCTET_STREAMS];
+    for (int q = 0; q < R; q++) {
+        sc[q] = _mm256_setzero_ps();
+        for (int j = 0; j < MB; j++) acc[q][j] = _mm256_setzero_ps();
+    }
     for (int b = 0; b < nblk; b++) {
-        for (int q = 0; q < 2; q++) {
+        for (int q = 0; q < R; q++) {
             const uint8_t *wb = ws[q] + (size_t)b * 128;
             _mm_prefetch((const char *)wb + 8 * PREFETCH, _MM_HINT_T0);
             _mm_prefetch((const char *)wb + 8 * PREFETCH + 64, _MM_HINT_T0);
@@ -502,9 +523,7 @@ INLINE void octet4_two(const int8_t *xq, const int32_t *sx8, const float *d, int
             }
         }
     }
-    uint16_t *ys[2] = {ya, yb_};
-    int nvs[2] = {nva, nvb};
-    for (int q = 0; q < 2; q++)
+    for (int q = 0; q < R; q++)
         for (int j = 0; j < mb; j++) {
             float o[8];
             _mm256_storeu_ps(o, acc[q][j]);
@@ -534,29 +553,36 @@ int A8(rlt_linear_int4_a8)(const uint16_t *x, const uint8_t *w8, const uint16_t 
     int octets = (N + 7) / 8;
     size_t wo = (size_t)blocks * 128, so = (size_t)(K / group) * 8;
 #ifdef RLT_A8_VNNI
-    int half = octets / 2;
+    int R = M <= MB ? OCTET_STREAMS : 2;
+    int part = octets / R; /* octets p, p + part, ... together */
 #pragma omp parallel for schedule(static)
-    for (int p = 0; p < half; p++) {
-        int oa = p, ob = p + half, na = oa * 8, nb = ob * 8;
-        int nva = N - na < 8 ? N - na : 8, nvb = N - nb < 8 ? N - nb : 8;
+    for (int p = 0; p < part; p++) {
+        const uint8_t *ws[OCTET_STREAMS];
+        const uint16_t *ss[OCTET_STREAMS];
+        int nvs[OCTET_STREAMS], ns[OCTET_STREAMS];
+        for (int q = 0; q < R; q++) {
+            int o = p + q * part;
+            ns[q] = o * 8;
+            nvs[q] = N - ns[q] < 8 ? N - ns[q] : 8;
+            ws[q] = w8 + o * wo;
+            ss[q] = s8 + o * so;
+        }
         for (int j0 = 0; j0 < M; j0 += MB) {
             int mb = M - j0 < MB ? M - j0 : MB;
             const int8_t *xb = xq + (size_t)j0 * ldq;
             const int32_t *sb = sx8 + (size_t)j0 * blocks;
             const float *db = d + (size_t)j0 * blocks;
-            uint16_t *ya = y + (size_t)j0 * N + na, *yb = y + (size_t)j0 * N + nb;
-            if (mb == MB)
-                octet4_two(xb, sb, db, ldq, MB, w8 + oa * wo, s8 + oa * so, ya, nva,
-                           w8 + ob * wo, s8 + ob * so, yb, nvb, K, group, N);
+            uint16_t *ys[OCTET_STREAMS];
+            for (int q = 0; q < R; q++) ys[q] = y + (size_t)j0 * N + ns[q];
+            if (R == 2 && mb == MB)
+                octet4_multi(xb, sb, db, ldq, MB, ws, ss, ys, nvs, K, group, N, 2);
+            else if (R == 2) octet4_multi(xb, sb, db, ldq, mb, ws, ss, ys, nvs, K, group, N, 2);
             else if (mb == 1)
-                octet4_two(xb, sb, db, ldq, 1, w8 + oa * wo, s8 + oa * so, ya, nva,
-                           w8 + ob * wo, s8 + ob * so, yb, nvb, K, group, N);
-            else
-                octet4_two(xb, sb, db, ldq, mb, w8 + oa * wo, s8 + oa * so, ya, nva,
-                           w8 + ob * wo, s8 + ob * so, yb, nvb, K, group, N);
+                octet4_multi(xb, sb, db, ldq, 1, ws, ss, ys, nvs, K, group, N, OCTET_STREAMS);
+            else octet4_multi(xb, sb, db, ldq, mb, ws, ss, ys, nvs, K, group, N, OCTET_STREAMS);
         }
     }
-    int first = 2 * half; /* an odd octet left: one stream */
+    int first = R * part; /* octets left over: one stream */
 #else
     int first = 0;
 #endif
