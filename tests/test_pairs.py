@@ -114,6 +114,7 @@ def test_each_refused_pair_is_refused_with_its_reason(refused):
         dict(kv_sharing="last", mode="fast"),
         dict(kv_sharing="last", step_graphs=True),
         dict(adaptive_depth=True, kv_sharing="last"),
+        dict(depth_batching=True, mode="fast"),
     ],
 )
 def test_the_pairs_that_combine_are_not_refused(options):
@@ -125,6 +126,10 @@ def test_only_the_declared_pairs_are_refused():
         ("speculative_loops", "kv_sharing"),
         ("speculative_loops", "adaptive_depth"),
         ("step_graphs", "adaptive_depth"),
+        ("speculative_loops", "depth_batching"),
+        ("adaptive_depth", "depth_batching"),
+        ("step_graphs", "depth_batching"),
+        ("kv_sharing", "depth_batching"),
         ("num_blocks", "kv_cache_memory"),
         ("mode", "quantize_activations"),  # hf-exact with per-token activations
         ("deterministic", "quantize_activations"),  # --no-deterministic, its alias

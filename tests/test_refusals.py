@@ -33,12 +33,13 @@ FEATURES = {
     "fast": dict(mode="fast"),
     "sharing": dict(kv_sharing="last"),
     "adaptive": dict(adaptive_depth=True),
+    "depth": dict(depth_batching=True),
 }
 
 
 def _exact(pair) -> tuple[str, ...]:
     """The features of ``pair`` that change no bit of the plan they run under."""
-    return ("graphs",) if "fast" in pair else ("speculation", "graphs")
+    return ("graphs",) if "fast" in pair else ("speculation", "graphs", "depth")
 
 
 PAIRS = list(itertools.combinations(FEATURES, 2))
@@ -136,6 +137,7 @@ def _assert_runs(llm: LLM, pair) -> None:
         "fast": llm.plan.mode == "fast",
         "sharing": engine.shared is not None and llm.args.kv_sharing == "last",
         "adaptive": llm.plan.adaptive_depth,
+        "depth": stats["depth_rows"] > 0,
     }
     assert all(on[f] for f in pair), {f: on[f] for f in pair}
 

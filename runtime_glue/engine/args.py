@@ -144,6 +144,28 @@ REFUSED = (
         "deciding which rows leave after each loop reads the device, which a graph cannot",
     ),
     (
+        "speculative_loops", SET, "depth_batching", True,
+        "a verify row starts at the draft's last loop from a state its draft kept, and a "
+        "depth row from the state its own last step kept: one step cannot lay out both yet",
+    ),
+    (
+        "adaptive_depth", True, "depth_batching", True,
+        "adaptive depth decides a row's exit by reading the device after each loop of one "
+        "step; a depth row runs one loop a step, so its exit must move to the read-back "
+        "(issue 47, milestone 2)",
+    ),
+    (
+        "kv_sharing", "last", "depth_batching", True,
+        "a shared generated plane is written by a position's last loop and read by every "
+        "loop, so a depth row at loop t must read the plane a plain step's loop t reads "
+        "(the per-loop shared tables of docs/depth-batching.md, not built yet)",
+    ),
+    (
+        "step_graphs", True, "depth_batching", True,
+        "a captured step samples every row and carries no state between steps; a depth row "
+        "is sampled only at its last loop and carries its state",
+    ),
+    (
         "num_blocks", SET, "kv_cache_memory", SET,
         "both size the KV pool; give one",
     ),
@@ -276,6 +298,13 @@ class EngineArgs:
         False,
         "decode rows that reach their exit threshold skip their remaining loops (an "
         "approximation: docs/benchmarks.md)",
+        action="store_true",
+    )
+    depth_batching: bool = cli_field(
+        False,
+        "depth-wise batching: a generated token runs one of its loops a step, beside rows "
+        "at other loops in the same pass over the layers (docs/depth-batching.md; milestone "
+        "1: every loop runs, the same bits as plain decoding in deterministic mode)",
         action="store_true",
     )
     enable_prefix_caching: bool | None = cli_field(

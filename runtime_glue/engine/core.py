@@ -43,7 +43,7 @@ from runtime_glue.engine.reasoning import (
     ReasoningParser,
     ThinkingTags,
 )
-from runtime_glue.engine.request import Request, RequestUpdate, Status
+from runtime_glue.engine.request import DepthToken, Request, RequestUpdate, Status
 from runtime_glue.engine.sampler import Sampled, Sampler
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.scheduler import EngineConfig, Scheduler
@@ -106,6 +106,7 @@ class Engine:
             "prefix_cache_queries": 0,  # prompt tokens looked up in the prefix cache
             "prefix_cache_hits": 0,  # of those, tokens found there
             "forked": 0,  # requests started on another's computed prompt (n > 1)
+            "depth_rows": 0,  # loops run by depth-wise rows (--depth-batching)
         }
         self.speculator = self._speculator(speculative)
         self.scheduler = Scheduler(config, allocator, self.kv, self.speculator, self.stats)
@@ -355,9 +356,13 @@ class Engine:
                 self.stats["failed"] += 1
             return [request_output(s.req, ()) for s in plan]
         self.num_steps += 1
+        self.stats["depth_rows"] += len(host.depth_rows)
         outputs = []
-        for s, mine in zip(plan, host.rows_of, strict=True):
+        for s, mine, d in zip(plan, host.rows_of, host.depth_of, strict=True):
             s.req.last_fence = fence
+            if s.loop is not None and not s.finishing:  # its token goes on to the next loop
+                self._carry(s.req, d, sampled)
+                continue
             rows = self._apply(s, mine, sampled, fence, host)
             if rows:
                 outputs.append(self.output.emit(s.req, rows, sampled))
@@ -387,9 +392,21 @@ class Engine:
         out = self.model.forward(host.inputs(self.device.torch_device, self.device.pin_memory))
         return Replayed(out=out, picks=None, packed=None)
 
+    @staticmethod
+    def _carry(req: Request, d: int | None, sampled: Sampled) -> None:
+        """A depth row's loop ran (not its last): its state and gate are kept for the next."""
+        assert d is not None and sampled.carried is not None
+        token = req.depth if req.depth is not None else DepthToken()
+        token.states.append(sampled.carried[d])
+        if sampled.carried_gates is not None:
+            token.gates.append(sampled.carried_gates[d])
+        token.loop += 1
+        req.depth = token
+
     def _apply(self, s, mine: list[int], sampled: Sampled, fence, host: HostStep) -> list[int]:
         """What one request's rows computed; the sampled rows whose tokens it emits."""
         req = s.req
+        req.depth = None  # a depth row at its last loop finishes its token like any other
         if s.entry is None:
             req.num_computed += s.n
             self.scheduler.register_prompt_blocks(req)

@@ -153,7 +153,10 @@ class LLM:
         self.kv_layout = attrs.evolve(probe, num_blocks=blocks)
         self.weights = weights
         self.engine_config = EngineConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.prefill_chunk_size,
+            depth_batching=args.depth_batching,
         )
         self.kv_store = self.driver.create_kv_store(self.kv_layout)
         # The pool and where requests' K/V lives in it: shared by variants.

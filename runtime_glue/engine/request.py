@@ -32,6 +32,16 @@ class SpecRound:
 
 
 @attrs.define(eq=False)
+class DepthToken:
+    """A token part-way through its loops under depth-wise batching (``--depth-batching``):
+    the loop its next step runs, and the state (and gate) after each loop already run."""
+
+    loop: int = 0
+    states: list[torch.Tensor] = attrs.field(factory=list)  # [H] each, on the device
+    gates: list[torch.Tensor] = attrs.field(factory=list)  # [] each, when gated
+
+
+@attrs.define(eq=False)
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -55,6 +65,7 @@ class Request:
     exit_mode: ExitMode = attrs.field(factory=ExitMode)
     exit_steps: list[int] = attrs.field(factory=list)  # the loop each output token came from
     spec: SpecRound | None = None  # a speculative round in progress (engine.speculative)
+    depth: DepthToken | None = None  # its next token part-way through its loops
     logprobs: list[dict] = attrs.field(factory=list)  # per output token: id -> Logprob
     prompt_logprobs: list[dict | None] = attrs.field(factory=list)  # per prompt position
     follows: str | None = None  # n > 1: the request whose prompt KV this one will share

@@ -28,6 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     prefill_chunk_size: int | None = None  # None: full prefill
     enable_prefix_caching: bool = False
+    depth_batching: bool = False  # a generated token's loops in separate steps, one a step
 
     def __attrs_post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -63,7 +64,18 @@ class Scheduler:
 
     def schedule(self) -> list[Scheduled]:
         """The next step's plan, in row order; [] when nothing can run now."""
-        return [Scheduled(req=req, n=n, entry=entry) for req, n, entry in self._schedule()]
+        plan = [self._scheduled(req, n, entry) for req, n, entry in self._schedule()]
+        return sorted(plan, key=lambda s: s.loop is not None)  # depth rows last (stable)
+
+    def _scheduled(self, req: Request, n: int, entry: Entry | None) -> Scheduled:
+        """Under depth-wise batching a generated token (one pending row) runs one loop a step:
+        the loop after the last one its token ran (docs/depth-batching.md)."""
+        loops = self.kv.loops
+        one = entry is None and n == 1 and req.num_computed + 1 == req.num_tokens
+        if not (self.config.depth_batching and loops > 1 and one and not req.in_prefill):
+            return Scheduled(req=req, n=n, entry=entry)
+        loop = req.depth.loop if req.depth is not None else 0
+        return Scheduled(req=req, n=n, loop=loop, finishing=loop == loops - 1)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -153,6 +165,7 @@ class Scheduler:
         self.kv.release(req, req.last_fence)
         req.num_computed, req.registered = 0, 0
         req.spec = None  # its drafts go; it is recomputed from its verified tokens
+        req.depth = None  # and a token part-way through its loops starts again
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.stats["preemptions"] += 1

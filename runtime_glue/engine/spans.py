@@ -8,6 +8,11 @@ lay out the same rows differently. Rows are ordered prompt | generated | draft |
 - A step with drafts or verifies (speculation, ``early`` = E draft loops) has two: the prompt
   and generated rows run loops 0 .. E-1 with the drafts, then E .. T-1 with the verifies,
   which start from the states their drafts kept (``StepLayout.kept``).
+- A step with depth-wise rows (``--depth-batching``; after the others) has two, or one when
+  it holds nothing else: every row runs one pass over the layers (loop 0, where a depth row's
+  attention is shifted to its own loop's planes), then the prompt and generated rows run
+  loops 1 .. T-1. Depth rows at the last loop are sampled; their earlier loops' states were
+  kept (``StepLayout.kept``).
 
 Every index list is ascending, a span's rows and its samples alike.
 """
@@ -48,6 +53,8 @@ def step_layout(
     generated, draft, verify; ``sample_rows``: its sampled rows; ``loops``: T; ``early``: E
     when speculation is on (a step without drafts or verifies is still a plain one)."""
     normal = rows["prompt"] + rows["generated"]
+    if rows.get("depth", 0):
+        return _depth_layout(rows, entries, sample_rows, loops)
     n = normal + rows["draft"] + rows["verify"]
     if early is None or n == normal:
         every = _span(range(loops), range(n), range(sum(entries.values())), sample_rows)
@@ -68,9 +75,33 @@ def step_layout(
     return StepLayout(spans=(first, second), kept=tuple(verifies), kept_samples=kept_samples)
 
 
-def _span(loops: range, rows: Sequence[int], entries: Sequence[int], sample_rows) -> SpanLayout:
+def _depth_layout(rows, entries, sample_rows: Sequence[int], loops: int) -> StepLayout:
+    """Depth rows (every one through loop 0's pass, its own loop by its addressing) after the
+    prompt and generated rows (every loop: that pass, then loops 1 .. T-1)."""
+    normal = rows["prompt"] + rows["generated"]
+    n, e_normal = normal + rows["depth"], entries["prompt"] + entries["generated"]
+    plain = range(normal)
+    first = _span(range(1), range(n), range(e_normal + entries["depth"]), sample_rows, plain)
+    spans = (first,)
+    if normal:
+        spans += (_span(range(1, loops), plain, range(e_normal), sample_rows),)
+    finishing = tuple(i for i, row in enumerate(sample_rows) if row >= normal)
+    return StepLayout(
+        spans=spans, kept=tuple(sample_rows[i] for i in finishing), kept_samples=finishing
+    )
+
+
+def _span(
+    loops: range,
+    rows: Sequence[int],
+    entries: Sequence[int],
+    sample_rows,
+    sampling: Sequence[int] | None = None,
+) -> SpanLayout:
+    """``sampling``: the rows whose samples the span files (default: all of its rows)."""
     at = {row: i for i, row in enumerate(rows)}
-    samples = tuple(i for i, row in enumerate(sample_rows) if row in at)
+    filed = at if sampling is None else {row: at[row] for row in sampling}
+    samples = tuple(i for i, row in enumerate(sample_rows) if row in filed)
     return SpanLayout(
         loops=loops,
         rows=tuple(rows),

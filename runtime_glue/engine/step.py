@@ -28,22 +28,27 @@ from runtime_glue.engine.request import Request
 from runtime_glue.engine.spans import StepLayout, step_layout
 from runtime_glue.engine.speculative import Entry
 from runtime_glue.ouro.exits import ExitMode, ExitRule
-from runtime_glue.ouro.records import Kept, Span, StepInputs
+from runtime_glue.ouro.records import DepthRows, Kept, Span, StepInputs
 
 
 @attrs.frozen(kw_only=True)
 class Scheduled:
-    """One request's part of a step: ``n`` rows, ordinary or speculative (``entry``)."""
+    """One request's part of a step: ``n`` rows, ordinary or speculative (``entry``), or its
+    next token's one row at ``loop`` (depth-wise batching; ``finishing``: the last loop)."""
 
     req: Request
     n: int
     entry: Entry | None = None
+    loop: int | None = None
+    finishing: bool = False
 
     @property
     def kind(self) -> str:
-        """ "prompt", "generated", "draft" or "verify": the row group it belongs to."""
+        """ "prompt", "generated", "draft", "verify" or "depth": the row group it belongs to."""
         if self.entry is not None:
             return self.entry.kind
+        if self.loop is not None:
+            return "depth"
         return "prompt" if self.req.in_prefill else "generated"
 
     @property
@@ -53,7 +58,10 @@ class Scheduled:
     def samples(self) -> tuple[int, ...]:
         """Which of its rows are sampled (offsets): the last of a chunk that completes its
         tokens; every prompt row when the request wants prompt log-probabilities; every draft
-        and verify row (a draft row's state is kept even when its token is not wanted)."""
+        and verify row (a draft row's state is kept even when its token is not wanted); a depth
+        row at its last loop."""
+        if self.loop is not None:
+            return (0,) if self.finishing else ()
         if self.entry is not None:
             return tuple(range(self.n))
         if self.req.in_prefill and self.req.params.prompt_logprobs is not None:
@@ -70,7 +78,7 @@ class HostStep:
     ids: list[int]
     positions: list[int]
     kv: KVAddressing  # host tensors
-    groups: dict[str, int]  # rows per group: prompt, generated, draft, verify
+    groups: dict[str, int]  # rows per group: prompt, generated, draft, verify, depth
     entries: dict[str, int]  # attention entries per group
     sample_rows: list[int]
     sampled: list[Request]
@@ -81,6 +89,10 @@ class HostStep:
     kept_states: list[torch.Tensor]  # [E, H] per verify row (device)
     kept_gates: list[torch.Tensor | None]
     drafted: list[tuple[int, ...]]  # per sampled row: its round's drafts before its position
+    depth_rows: list[int] = attrs.field(factory=list)  # depth rows (their carried states' order)
+    entering: list[int] = attrs.field(factory=list)  # depth rows at loops 1 .. T-2 ...
+    entering_states: list[torch.Tensor] = attrs.field(factory=list)  # ... and their states
+    depth_of: list[int | None] = attrs.field(factory=list)  # per plan entry: its depth row
 
     @property
     def num_rows(self) -> int:
@@ -108,7 +120,7 @@ class HostStep:
         """Whether the step computes the gate: some request exits by it (a draft row's own
         rule is a fixed loop, but its request's verify step will need the gates it kept)."""
         exits_by_gate = any(s.req.exit_mode.kind in ("threshold", "weighted") for s in self.plan)
-        return exits_by_gate and bool(self.sample_rows)
+        return exits_by_gate and bool(self.sample_rows or self.depth_rows)
 
     def exit_columns(self) -> list[list[int]]:
         return list(ExitRule.host_values(self.modes, self.loops))
@@ -117,8 +129,10 @@ class HostStep:
         """The step on ``device``, moved with one copy: what an eager step runs."""
         layout = step_layout(self.groups, self.entries, self.sample_rows, self.loops, self.early)
         host = [self.ids, self.positions, self.sample_rows, *self.exit_columns()]
-        kv, moved = self.kv.to(device, *_host_tensors(host, layout), pin=pin)
+        depth = [self.depth_rows, self.entering]
+        kv, moved = self.kv.to(device, *_host_tensors(host, layout, depth), pin=pin)
         ids, positions, sample_rows, step, use, bits = moved[:6]
+        spans = 3 * len(layout.spans)
         weighted = tuple(i for i, m in enumerate(self.modes) if m.kind == "weighted")
         return StepInputs(
             input_ids=ids,
@@ -133,27 +147,39 @@ class HostStep:
             ),
             host_sample_rows=tuple(self.sample_rows),
             spans=_spans(layout, kv, moved[6:], self.prompt_rows),
-            kept=self._kept(moved[-2:]),
+            kept=self._kept(moved[6 + spans : 8 + spans]),
+            depth=self._depth(moved[8 + spans : 10 + spans]),
             modes=tuple(self.modes),
         )
 
     def _kept(self, t: list[torch.Tensor]) -> Kept | None:
-        """The verify rows' kept states (``t``: their rows and samples, on the device)."""
-        if self.early is None or not self.kept_states:
+        """The verify rows' (or last-loop depth rows') kept states (``t``: their rows and
+        samples, on the device)."""
+        if not self.kept_states:
             return None
         states = torch.stack(self.kept_states)  # [V, E, H]
         gates = None
         if self.gated:
-            like = states.new_zeros(self.early)
+            like = states.new_zeros(states.shape[1])
             gates = torch.stack([like if g is None else g for g in self.kept_gates])
         return Kept(rows=t[0], samples=t[1], states=states, gates=gates)
 
+    def _depth(self, t: list[torch.Tensor]) -> DepthRows | None:
+        """The depth rows (``t``: them and the entering ones, on the device)."""
+        if not self.depth_rows:
+            return None
+        states = torch.stack(self.entering_states) if self.entering_states else None
+        return DepthRows(rows=t[0], entering=t[1], states=states)
 
-def _host_tensors(host: list[list[int]], layout: StepLayout) -> list[torch.Tensor]:
-    """A step's row fields, then every span's indices and the kept rows', as host tensors."""
+
+def _host_tensors(
+    host: list[list[int]], layout: StepLayout, depth: list[list[int]] = ((), ())
+) -> list[torch.Tensor]:
+    """A step's row fields, then every span's indices, the kept rows' and the depth rows', as
+    host tensors."""
     spans = [list(v) for s in layout.spans for v in (s.rows, s.samples, s.sample_at)]
     kept = [list(layout.kept), list(layout.kept_samples)]
-    return [torch.tensor(v, dtype=torch.int64) for v in (*host, *spans, *kept)]
+    return [torch.tensor(v, dtype=torch.int64) for v in (*host, *spans, *kept, *map(list, depth))]
 
 
 def _spans(
@@ -190,7 +216,7 @@ class StepBuilder:
         ids: list[int] = []
         positions: list[int] = []
         entries: list[tuple] = []
-        groups = dict.fromkeys(("prompt", "generated", "draft", "verify"), 0)
+        groups = dict.fromkeys(("prompt", "generated", "draft", "verify", "depth"), 0)
         counts = dict(groups)
         sample_rows: list[int] = []
         sampled: list[Request] = []
@@ -199,12 +225,16 @@ class StepBuilder:
         kept_states: list[torch.Tensor] = []
         kept_gates: list[torch.Tensor | None] = []
         drafted: list[tuple[int, ...]] = []
+        depth_rows: list[int] = []
+        entering: list[int] = []
+        entering_states: list[torch.Tensor] = []
+        depth_of: list[int | None] = []
         for s in plan:
             req, ctx, start, spec = s.req, s.ctx, len(ids), s.entry
             ids += req.tokens(ctx, ctx + s.n) if spec is None else list(spec.ids)
             positions += range(ctx, ctx + s.n)
             rows = [(s.n, ctx)] if s.kind != "verify" else [(1, ctx + i) for i in range(s.n)]
-            entries += [self.kv.entry(req, n, c) for n, c in rows]
+            entries += [self.kv.entry(req, n, c, s.loop or 0) for n, c in rows]
             groups[s.kind] += s.n
             counts[s.kind] += len(rows)
             mine = [start + i for i in s.samples()]
@@ -217,6 +247,19 @@ class StepBuilder:
             if spec is not None:
                 kept_states += spec.states
                 kept_gates += spec.gates
+            depth_of.append(len(depth_rows) if s.loop is not None else None)
+            if s.loop is not None:
+                depth_rows.append(start)
+                token = req.depth
+                if s.finishing:  # sampled: the states of its earlier loops are kept
+                    assert token is not None
+                    kept_states.append(torch.stack(token.states))
+                    whole = len(token.gates) == len(token.states)  # gated at every loop
+                    kept_gates.append(torch.stack(token.gates) if whole else None)
+                elif s.loop:
+                    assert token is not None
+                    entering.append(start)
+                    entering_states.append(token.states[-1])
         speculative = groups["draft"] + groups["verify"] > 0
         return HostStep(
             plan=plan,
@@ -234,6 +277,10 @@ class StepBuilder:
             kept_states=kept_states,
             kept_gates=kept_gates,
             drafted=drafted,
+            depth_rows=depth_rows,
+            entering=entering,
+            entering_states=entering_states,
+            depth_of=depth_of,
         )
 
 

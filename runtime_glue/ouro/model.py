@@ -43,7 +43,7 @@ from runtime_glue.ouro.exits import exit_pdf
 from runtime_glue.ouro.loop_kernels import LoopKernels, RowOps
 from runtime_glue.ouro.plan import ExecutionPlan
 from runtime_glue.ouro.quantize import weight_bytes
-from runtime_glue.ouro.records import Kept, Span, StepInputs, StepOutput
+from runtime_glue.ouro.records import DepthRows, Kept, Span, StepInputs, StepOutput
 
 # recorder(loop, layer, op, tensor): sees intermediate tensors (used by the parity locator).
 Recorder = Callable[[int, int, str, torch.Tensor], None]
@@ -201,6 +201,9 @@ class OuroModel:
         kept = step.kept
         if kept is not None:  # verify rows start from the state their drafts kept
             h = h.index_copy(0, kept.rows, kept.states[:, -1])
+        depth, carried, carried_gates = step.depth, None, None
+        if depth is not None and depth.states is not None:  # depth rows past loop 0
+            h = h.index_copy(0, depth.entering, depth.states)
         adaptive = Adaptive.start(self, step) if self.plan.adaptive_depth else None
         hs: list[list] = [[] for _ in range(T)]  # per loop: (sampled rows, their states)
         gates: list[list] = [[] for _ in range(T)]
@@ -219,8 +222,19 @@ class OuroModel:
                 if step.exits.gated:
                     at = span.rows if every_row_gates else span.samples
                     gates[t].append((at, self._gate(x, picked, step, every_row_gates)))
+            if depth is not None and span is spans[0]:
+                carried, carried_gates = self._depth_pass(x, depth, kept, step, hs, gates)
             if span is not spans[-1]:
                 h = h.index_copy(0, span.rows, x)  # the next span continues from here
+        if R == 0:  # depth rows only, none at its last loop: nothing is sampled
+            return StepOutput(
+                logits=h.new_empty(0, self.lm_head.shape[0]),
+                chosen=step.sample_rows,
+                states=h.new_empty(T, 0, h.shape[1]),
+                gates=None,
+                carried=carried,
+                carried_gates=carried_gates,
+            )
         states = torch.stack([self._assemble(p, R, kept, t, "states") for t, p in enumerate(hs)])
         gate_t = None
         if step.exits.gated:
@@ -228,7 +242,27 @@ class OuroModel:
             gate_t = torch.stack(
                 [self._assemble(p, size, kept, t, "gates") for t, p in enumerate(gates)]
             )
-        return self._exit(states, gate_t, step, adaptive)
+        out = self._exit(states, gate_t, step, adaptive)
+        if depth is None:
+            return out
+        return attrs.evolve(out, carried=carried, carried_gates=carried_gates)
+
+    def _depth_pass(self, x, depth: DepthRows, kept: Kept | None, step: StepInputs, hs, gates):
+        """After the first span's pass: each depth row's state (and gate) after its loop, and
+        the last-loop rows' states (gates) filed under loop T-1 for the exit rule. The gates
+        by the generated rows' kernel, as plain decoding computes a sampled row's."""
+        T, ops = self.cfg.total_ut_steps, self.kernels.bind(0)
+        carried = x.index_select(0, depth.rows)
+        carried_gates = None
+        if step.exits.gated:
+            carried_gates = (ops("exit_gate", carried, self.gate_weight) + self.gate_bias)[:, 0]
+        if kept is not None:  # the depth rows at their last loop: kept, and sampled
+            last = x.index_select(0, kept.rows)
+            hs[T - 1].append((kept.samples, last))
+            if step.exits.gated:
+                g = (ops("exit_gate", last, self.gate_weight) + self.gate_bias)[:, 0]
+                gates[T - 1].append((kept.samples, g))
+        return carried, carried_gates
 
     @staticmethod
     def _enter(span: Span, h, cos, sin):
@@ -261,12 +295,11 @@ class OuroModel:
         ``size`` values is the whole."""
         if len(parts) == 1 and parts[0][1].shape[0] == size:
             return parts[0][1]
-        like = parts[0][1]
+        source = None if kept is None else kept.states if what == "states" else kept.gates
+        like = parts[0][1] if parts else source[:, 0]  # a loop only kept rows reach: depth
         out = like.new_zeros((size, *like.shape[1:]))
-        if kept is not None:
-            source = kept.states if what == "states" else kept.gates
-            if source is not None and t < source.shape[1]:
-                out = out.index_copy(0, kept.samples, source[:, t])
+        if source is not None and t < source.shape[1]:
+            out = out.index_copy(0, kept.samples, source[:, t])
         for at, value in parts:
             out = out.index_copy(0, at, value)
         return out
@@ -278,7 +311,12 @@ class OuroModel:
         """Whether a step's gates are computed for every row, in the shapes HF computes them
         (all positions, ``F.linear`` with its bias): in HF-exact mode, for a one-span step
         without adaptive depth. Otherwise for the sampled rows, by the plan's kernel."""
-        return not (self.plan.deterministic or adaptive is not None or len(step.spans) > 1)
+        return not (
+            self.plan.deterministic
+            or adaptive is not None
+            or len(step.spans) > 1
+            or step.depth is not None
+        )
 
     def _gate(self, x, picked, step: StepInputs, every_row: bool) -> torch.Tensor:
         """One loop's gate values: of every row ``[N]`` or of the sampled rows ``[R]``."""

@@ -40,6 +40,18 @@ class Kept:
 
 
 @attrs.frozen(eq=False, kw_only=True)
+class DepthRows:
+    """Depth-wise rows (``--depth-batching``, docs/depth-batching.md): generated rows that run
+    one loop each in this step, whichever loop their token is at, all in the step's first span
+    (its attention shifts each row to its own loop's planes). Rows at the last loop are the
+    step's ``Kept`` rows: sampled, their earlier loops' states kept by the steps before."""
+
+    rows: torch.Tensor  # [D] int64: every depth row of the step, ascending
+    entering: torch.Tensor  # [D'] int64: those at loops 1 .. T-2 ...
+    states: torch.Tensor  # [D', H]: ... start from the state their last loop left
+
+
+@attrs.frozen(eq=False, kw_only=True)
 class StepInputs:
     """One step's rows: every request's new tokens, prompt positions first."""
 
@@ -54,6 +66,7 @@ class StepInputs:
     host_sample_rows: tuple[int, ...]  # sample_rows, on the host
     spans: tuple[Span, ...] = attrs.field(validator=attrs.validators.min_len(1))
     kept: Kept | None = None
+    depth: DepthRows | None = None
     modes: tuple = ()  # per sampled row, ExitMode (adaptive depth reads the thresholds)
 
 
@@ -65,3 +78,5 @@ class StepOutput:
     chosen: torch.Tensor  # [R] int64: the loop each row's logits came from
     states: torch.Tensor  # [T, R, H]: each sampled row's state after every loop
     gates: torch.Tensor | None  # [T, R]: its gate after every loop, when gated
+    carried: torch.Tensor | None = None  # [D, H]: each depth row's state after its loop
+    carried_gates: torch.Tensor | None = None  # [D]: and its gate, when gated

@@ -1,0 +1,125 @@
+"""Depth-wise batching, milestone 1 (``--depth-batching``, issue 47, docs/depth-batching.md): a
+generated token runs one loop a step, beside prompt rows and other tokens at other loops in
+one pass over the layers (its attention shifted to its own loop's planes), its state carried
+between steps. Every loop still runs, so in deterministic mode (row-invariant kernels) the
+tokens and logits are plain decoding's bit for bit, whatever the batch mix, on the cpu and
+the emulated npu (a CPU test double)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_glue.engine.core import Engine
+from runtime_glue.engine.llm import LLM
+from runtime_glue.engine.sampling import SamplingParams
+from tests.conftest import PARITY_CONFIGS
+from tests.helpers import prompt_of
+from tests.test_speculative import GQA, assert_same, greedy, jobs_of, run
+
+DRIVERS = ["cpu", "npu"]
+
+
+@pytest.fixture(scope="module")
+def gqa(checkpoints):
+    return checkpoints(GQA, **PARITY_CONFIGS[GQA])
+
+
+def _pair(ckpt, driver: str, **kw) -> tuple[LLM, LLM]:
+    base = dict(device=driver, block_size=16, num_blocks=64, deterministic=True, **kw)
+    return LLM(ckpt, **base), LLM(ckpt, depth_batching=True, **base)
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=["cpu", "npu-emulated"])
+def test_greedy_tokens_and_logits_equal_plain_decoding_bit_for_bit(gqa, driver):
+    """Requests joining a step apart and leaving at different steps: prompt rows share steps
+    with tokens at every loop."""
+    plain, depth = _pair(gqa, driver)
+    jobs = jobs_of(plain)
+    assert_same(run(depth, jobs), run(plain, jobs))
+    T = depth.config.total_ut_steps
+    generated = sum(p.max_tokens for _, p in jobs) - len(jobs)  # the first comes from prefill
+    assert depth.engine.stats["depth_rows"] == T * generated
+    assert plain.engine.stats["depth_rows"] == 0
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(exit_threshold=0.5), dict(exit_at_step=1), dict(prefill_chunk_size=7)],
+    ids=["threshold", "exit-at-step", "chunked-prefill"],
+)
+def test_exit_modes_and_chunked_prefill_equal_plain_decoding(gqa, kw):
+    plain, depth = _pair(gqa, "cpu", **kw)
+    jobs = jobs_of(plain)
+    assert_same(run(depth, jobs), run(plain, jobs))
+
+
+def test_sampling_penalties_and_logprobs_equal_plain_decoding(gqa):
+    plain, depth = _pair(gqa, "cpu")
+    jobs = [
+        (
+            prompt_of(6, seed=1),
+            SamplingParams(max_tokens=9, temperature=0.9, seed=4, ignore_eos=True),
+        ),
+        (prompt_of(11, seed=2), greedy(7, repetition_penalty=1.4, logprobs=3)),
+    ]
+    assert_same(run(depth, jobs), run(plain, jobs))
+    got = depth.generate([p for p, _ in jobs], [p for _, p in jobs])
+    want = plain.generate([p for p, _ in jobs], [p for _, p in jobs])
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_a_depth_only_step_runs_the_layers_once(gqa, monkeypatch):
+    """A step of generated tokens only is one pass over the layers (one ``loop`` call), a
+    prefill step T: a token costs T steps of one pass each."""
+    _, depth = _pair(gqa, "cpu")
+    model = depth.engine.model
+    calls: list[int] = []
+    real = model.loop
+    monkeypatch.setattr(model, "loop", lambda t, *a: calls.append(t) or real(t, *a))
+    engine = depth.engine
+    engine.add_request("a", prompt_of(8, seed=3), greedy(3))
+    engine.step()  # the prompt, every loop, and its first token
+    T = depth.config.total_ut_steps
+    assert calls == list(range(T))
+    for _ in range(T):
+        calls.clear()
+        assert not engine.requests["a"].output_ids[1:], "a token before its last loop"
+        engine.step()
+        assert calls == [0]  # one pass, whatever loop the token is at
+    assert len(engine.requests["a"].output_ids) == 2
+
+
+def test_preemption_part_way_through_a_token_recomputes_the_same_bits(tiny_ckpt):
+    prompts = [prompt_of(10, seed=s) for s in range(4)]
+    params = greedy(100)
+    roomy = LLM(tiny_ckpt, block_size=16, num_blocks=64, deterministic=True)
+    want = [roomy.generate([p], params, return_logits=True)[0] for p in prompts]
+    tight = LLM(tiny_ckpt, block_size=16, num_blocks=20, deterministic=True, depth_batching=True)
+    got = run(tight, [(p, params) for p in prompts])  # audits every page after every step
+    assert tight.engine.stats["preemptions"] > 0, "the pool should have run dry"
+    for (tokens, logits), w in zip(got, want, strict=True):
+        assert tuple(tokens) == w.token_ids
+        assert torch.equal(logits, w.logits)
+    assert tight.engine.num_free_blocks == 20, "every block is back in the pool"
+
+
+def test_a_planted_stale_carried_state_is_caught(gqa, monkeypatch):
+    """The double the tests above stand on: a token that goes on from its previous loop's
+    state (the carried state not updated) must not pass as plain decoding."""
+    plain, depth = _pair(gqa, "cpu")
+    jobs = jobs_of(plain)
+    want = run(plain, jobs)
+    real = Engine._carry
+
+    def stale(req, d, sampled):
+        before = None if req.depth is None else req.depth.states[-1]
+        real(req, d, sampled)
+        if before is not None:
+            req.depth.states[-1] = before
+
+    monkeypatch.setattr(Engine, "_carry", staticmethod(stale))
+    with pytest.raises(AssertionError, match="request 0"):
+        assert_same(run(depth, jobs), want)
