@@ -123,3 +123,20 @@ def test_a_planted_stale_carried_state_is_caught(gqa, monkeypatch):
     monkeypatch.setattr(Engine, "_carry", staticmethod(stale))
     with pytest.raises(AssertionError, match="request 0"):
         assert_same(run(depth, jobs), want)
+
+
+def test_metrics_count_the_loops_run_depth_wise(gqa):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from runtime_glue.server.metrics import Metrics
+
+    _, depth = _pair(gqa, "cpu")
+    depth.generate([prompt_of(5, seed=9)], greedy(3))
+    metrics = Metrics(total_blocks=64)
+    metrics.sync_counters(depth.engine.stats)
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+    assert samples["rlt_hal_depth_rows_total"] == depth.config.total_ut_steps * 2

@@ -82,7 +82,7 @@ def _depth_layout(rows, entries, sample_rows: Sequence[int], loops: int) -> Step
     n, e_normal = normal + rows["depth"], entries["prompt"] + entries["generated"]
     plain = range(normal)
     first = _span(range(1), range(n), range(e_normal + entries["depth"]), sample_rows, plain)
-    spans = (first,)
+    spans: tuple[SpanLayout, ...] = (first,)
     if normal:
         spans += (_span(range(1, loops), plain, range(e_normal), sample_rows),)
     finishing = tuple(i for i, row in enumerate(sample_rows) if row >= normal)

@@ -129,7 +129,7 @@ class HostStep:
         """The step on ``device``, moved with one copy: what an eager step runs."""
         layout = step_layout(self.groups, self.entries, self.sample_rows, self.loops, self.early)
         host = [self.ids, self.positions, self.sample_rows, *self.exit_columns()]
-        depth = [self.depth_rows, self.entering]
+        depth = (self.depth_rows, self.entering)
         kv, moved = self.kv.to(device, *_host_tensors(host, layout, depth), pin=pin)
         ids, positions, sample_rows, step, use, bits = moved[:6]
         spans = 3 * len(layout.spans)
@@ -173,13 +173,13 @@ class HostStep:
 
 
 def _host_tensors(
-    host: list[list[int]], layout: StepLayout, depth: list[list[int]] = ((), ())
+    host: list[list[int]], layout: StepLayout, depth: tuple[list[int], ...] = ([], [])
 ) -> list[torch.Tensor]:
     """A step's row fields, then every span's indices, the kept rows' and the depth rows', as
     host tensors."""
     spans = [list(v) for s in layout.spans for v in (s.rows, s.samples, s.sample_at)]
     kept = [list(layout.kept), list(layout.kept_samples)]
-    return [torch.tensor(v, dtype=torch.int64) for v in (*host, *spans, *kept, *map(list, depth))]
+    return [torch.tensor(v, dtype=torch.int64) for v in (*host, *spans, *kept, *depth)]
 
 
 def _spans(

@@ -296,9 +296,13 @@ class OuroModel:
         if len(parts) == 1 and parts[0][1].shape[0] == size:
             return parts[0][1]
         source = None if kept is None else kept.states if what == "states" else kept.gates
-        like = parts[0][1] if parts else source[:, 0]  # a loop only kept rows reach: depth
+        if parts:
+            like = parts[0][1]
+        else:  # a loop only kept rows reach (depth rows at their last loop)
+            assert source is not None
+            like = source[:, 0]
         out = like.new_zeros((size, *like.shape[1:]))
-        if source is not None and t < source.shape[1]:
+        if kept is not None and source is not None and t < source.shape[1]:
             out = out.index_copy(0, kept.samples, source[:, t])
         for at, value in parts:
             out = out.index_copy(0, at, value)

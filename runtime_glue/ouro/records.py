@@ -48,7 +48,7 @@ class DepthRows:
 
     rows: torch.Tensor  # [D] int64: every depth row of the step, ascending
     entering: torch.Tensor  # [D'] int64: those at loops 1 .. T-2 ...
-    states: torch.Tensor  # [D', H]: ... start from the state their last loop left
+    states: torch.Tensor | None  # [D', H]: ... start from the state their last loop left
 
 
 @attrs.frozen(eq=False, kw_only=True)

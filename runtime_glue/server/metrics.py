@@ -90,6 +90,12 @@ class Metrics:
                 "shared, not computed again)",
                 registry=reg,
             ),
+            "depth_rows": Counter(
+                "rlt_hal_depth_rows",
+                "Loops run by depth-wise rows (--depth-batching): a generated token's loops, one "
+                "a step",
+                registry=reg,
+            ),
         }
         for name, help in SPEC_COUNTERS.items():
             self.engine_counters[name] = Counter(f"rlt_hal_{name}", help, registry=reg)
