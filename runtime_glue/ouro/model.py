@@ -253,15 +253,12 @@ class OuroModel:
         by the generated rows' kernel, as plain decoding computes a sampled row's."""
         T, ops = self.cfg.total_ut_steps, self.kernels.bind(0)
         carried = x.index_select(0, depth.rows)
-        carried_gates = None
-        if step.exits.gated:
-            carried_gates = (ops("exit_gate", carried, self.gate_weight) + self.gate_bias)[:, 0]
+        carried_gates = self._gate_of(ops, carried) if step.exits.gated else None
         if kept is not None:  # the depth rows at their last loop: kept, and sampled
             last = x.index_select(0, kept.rows)
             hs[T - 1].append((kept.samples, last))
             if step.exits.gated:
-                g = (ops("exit_gate", last, self.gate_weight) + self.gate_bias)[:, 0]
-                gates[T - 1].append((kept.samples, g))
+                gates[T - 1].append((kept.samples, self._gate_of(ops, last)))
         return carried, carried_gates
 
     @staticmethod
@@ -326,8 +323,11 @@ class OuroModel:
         """One loop's gate values: of every row ``[N]`` or of the sampled rows ``[R]``."""
         if every_row:
             return F.linear(x, self.gate_weight, self.gate_bias)[:, 0]  # [N]
-        g = self._sampled_ops(step)("exit_gate", picked, self.gate_weight)
-        return (g + self.gate_bias)[:, 0]  # [R]
+        return self._gate_of(self._sampled_ops(step), picked)  # [R]
+
+    def _gate_of(self, ops: RowOps, x: torch.Tensor) -> torch.Tensor:
+        """The gate value of each row of ``x`` by the plan's kernel."""
+        return (ops("exit_gate", x, self.gate_weight) + self.gate_bias)[:, 0]
 
     def _picked(self, x, span: Span, adaptive: Adaptive | None) -> torch.Tensor:
         """The state of the span's sampled rows after this loop."""
