@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime_glue.engine import core
 from runtime_glue.engine.core import Engine
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
@@ -104,6 +105,40 @@ def test_preemption_part_way_through_a_token_recomputes_the_same_bits(tiny_ckpt)
         assert tuple(tokens) == w.token_ids
         assert torch.equal(logits, w.logits)
     assert tight.engine.num_free_blocks == 20, "every block is back in the pool"
+
+
+@pytest.mark.parametrize("driver", DRIVERS, ids=["cpu", "npu-emulated"])
+def test_with_adaptive_depth_a_token_leaves_at_its_exit_loop_with_adaptive_depths_bits(gqa, driver):
+    """Milestone 2: under ``--adaptive-depth`` a depth row whose exit rule reaches its
+    threshold after loop t is sampled there and leaves (the planes it skips get its loop-t
+    K/V, as adaptive depth fills them): adaptive depth's tokens, logits and exit loops bit for
+    bit, each token running only its loops 0 .. t."""
+    adaptive, depth = _pair(gqa, driver, adaptive_depth=True, exit_threshold=0.5)
+    jobs = jobs_of(adaptive)
+    assert_same(run(depth, jobs), run(adaptive, jobs))
+    got = depth.generate([p for p, _ in jobs], [p for _, p in jobs])
+    want = adaptive.generate([p for p, _ in jobs], [p for _, p in jobs])
+    loops = 0
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].exit_steps == w.outputs[0].exit_steps
+        loops += sum(t + 1 for t in w.outputs[0].exit_steps[1:])  # the first: from prefill
+    T = depth.config.total_ut_steps
+    generated = sum(len(w.outputs[0].exit_steps) - 1 for w in want)
+    before = depth.engine.stats["depth_rows"]
+    depth.generate([p for p, _ in jobs], [p for _, p in jobs])
+    ran = depth.engine.stats["depth_rows"] - before
+    assert ran == loops < T * generated, "each token runs its loops up to its exit, no more"
+
+
+def test_a_planted_missing_fill_of_the_skipped_planes_is_caught(gqa, monkeypatch):
+    """The planes a leaving token skips are read by later tokens: without adaptive depth's
+    fill the tokens or logits differ from it."""
+    adaptive, depth = _pair(gqa, "cpu", adaptive_depth=True, exit_threshold=0.5)
+    jobs = jobs_of(adaptive)
+    want = run(adaptive, jobs)
+    monkeypatch.setattr(core, "fill_skipped_planes", lambda *a: None)
+    with pytest.raises(AssertionError, match="request"):
+        assert_same(run(depth, jobs), want)
 
 
 def test_a_planted_stale_carried_state_is_caught(gqa, monkeypatch):

@@ -115,6 +115,7 @@ def test_each_refused_pair_is_refused_with_its_reason(refused):
         dict(kv_sharing="last", step_graphs=True),
         dict(adaptive_depth=True, kv_sharing="last"),
         dict(depth_batching=True, mode="fast"),
+        dict(depth_batching=True, adaptive_depth=True),
     ],
 )
 def test_the_pairs_that_combine_are_not_refused(options):
@@ -127,7 +128,6 @@ def test_only_the_declared_pairs_are_refused():
         ("speculative_loops", "adaptive_depth"),
         ("step_graphs", "adaptive_depth"),
         ("speculative_loops", "depth_batching"),
-        ("adaptive_depth", "depth_batching"),
         ("step_graphs", "depth_batching"),
         ("kv_sharing", "depth_batching"),
         ("num_blocks", "kv_cache_memory"),

@@ -149,12 +149,6 @@ REFUSED = (
         "depth row from the state its own last step kept: one step cannot lay out both yet",
     ),
     (
-        "adaptive_depth", True, "depth_batching", True,
-        "adaptive depth decides a row's exit by reading the device after each loop of one "
-        "step; a depth row runs one loop a step, so its exit must move to the read-back "
-        "(issue 47, milestone 2)",
-    ),
-    (
         "kv_sharing", "last", "depth_batching", True,
         "a shared generated plane is written by a position's last loop and read by every "
         "loop, so a depth row at loop t must read the plane a plain step's loop t reads "

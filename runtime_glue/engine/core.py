@@ -53,6 +53,7 @@ from runtime_glue.engine.step import HostStep, StepBuilder
 from runtime_glue.engine.structured import GrammarCompiler
 from runtime_glue.engine.validation import InvalidRequest as InvalidRequest
 from runtime_glue.engine.validation import check_request, compile_grammar
+from runtime_glue.ouro.adaptive import fill_skipped_planes
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import Admission
@@ -360,9 +361,11 @@ class Engine:
         outputs = []
         for s, mine, d in zip(plan, host.rows_of, host.depth_of, strict=True):
             s.req.last_fence = fence
-            if s.loop is not None and not s.finishing:  # its token goes on to the next loop
-                self._carry(s.req, d, sampled)
-                continue
+            if s.loop is not None and not s.finishing:
+                if not (s.may_exit and sampled.exit_steps[mine[0]] == s.loop):
+                    self._carry(s.req, d, sampled)  # its token goes on to the next loop
+                    continue
+                self._left_after(s.req, s.loop)
             rows = self._apply(s, mine, sampled, fence, host)
             if rows:
                 outputs.append(self.output.emit(s.req, rows, sampled))
@@ -402,6 +405,13 @@ class Engine:
             token.gates.append(sampled.carried_gates[d])
         token.loop += 1
         req.depth = token
+
+    def _left_after(self, req: Request, loop: int) -> None:
+        """A depth row's token leaves after ``loop`` (its exit rule reached there): the planes
+        of the loops it skips get its loop's K/V, as adaptive depth fills them."""
+        entry = self.kv.entry(req, 1, req.num_computed)
+        address, _ = self.kv.addressing([entry]).to(self.device.torch_device)
+        fill_skipped_planes(self.model, address, 0, loop)
 
     def _apply(self, s, mine: list[int], sampled: Sampled, fence, host: HostStep) -> list[int]:
         """What one request's rows computed; the sampled rows whose tokens it emits."""

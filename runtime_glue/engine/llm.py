@@ -229,7 +229,11 @@ class LLM:
             self.model,
             self.driver.device,
             self.allocator,
-            attrs.evolve(self.engine_config, enable_prefix_caching=caching),
+            attrs.evolve(
+                self.engine_config,
+                enable_prefix_caching=caching,
+                depth_exits=plan.adaptive_depth,
+            ),
             eos_token_ids=self.config.eos_token_ids,
             tokenizer=self.tokenizer,
             prefix_salt=f"{self.model_dir.resolve()}|{plan.describe()}".encode(),

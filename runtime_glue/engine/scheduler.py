@@ -29,6 +29,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = None  # None: full prefill
     enable_prefix_caching: bool = False
     depth_batching: bool = False  # a generated token's loops in separate steps, one a step
+    depth_exits: bool = False  # and it leaves after the loop its exit rule reaches (adaptive)
 
     def __attrs_post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -75,7 +76,11 @@ class Scheduler:
         if not (self.config.depth_batching and loops > 1 and one and not req.in_prefill):
             return Scheduled(req=req, n=n, entry=entry)
         loop = req.depth.loop if req.depth is not None else 0
-        return Scheduled(req=req, n=n, loop=loop, finishing=loop == loops - 1)
+        finishing = loop == loops - 1
+        exits = self.config.depth_exits and req.exit_mode.kind == "threshold"  # as adaptive's
+        return Scheduled(
+            req=req, n=n, loop=loop, finishing=finishing, may_exit=exits and not finishing
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

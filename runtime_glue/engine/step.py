@@ -34,13 +34,15 @@ from runtime_glue.ouro.records import DepthRows, Kept, Span, StepInputs
 @attrs.frozen(kw_only=True)
 class Scheduled:
     """One request's part of a step: ``n`` rows, ordinary or speculative (``entry``), or its
-    next token's one row at ``loop`` (depth-wise batching; ``finishing``: the last loop)."""
+    next token's one row at ``loop`` (depth-wise batching; ``finishing``: the last loop;
+    ``may_exit``: under adaptive depth, a loop after which its exit rule may let it leave)."""
 
     req: Request
     n: int
     entry: Entry | None = None
     loop: int | None = None
     finishing: bool = False
+    may_exit: bool = False
 
     @property
     def kind(self) -> str:
@@ -59,9 +61,9 @@ class Scheduled:
         """Which of its rows are sampled (offsets): the last of a chunk that completes its
         tokens; every prompt row when the request wants prompt log-probabilities; every draft
         and verify row (a draft row's state is kept even when its token is not wanted); a depth
-        row at its last loop."""
+        row at its last loop or where it may exit."""
         if self.loop is not None:
-            return (0,) if self.finishing else ()
+            return (0,) if self.finishing or self.may_exit else ()
         if self.entry is not None:
             return tuple(range(self.n))
         if self.req.in_prefill and self.req.params.prompt_logprobs is not None:
@@ -90,9 +92,11 @@ class HostStep:
     kept_gates: list[torch.Tensor | None]
     drafted: list[tuple[int, ...]]  # per sampled row: its round's drafts before its position
     depth_rows: list[int] = attrs.field(factory=list)  # depth rows (their carried states' order)
-    entering: list[int] = attrs.field(factory=list)  # depth rows at loops 1 .. T-2 ...
+    entering: list[int] = attrs.field(factory=list)  # depth rows past loop 0 ...
     entering_states: list[torch.Tensor] = attrs.field(factory=list)  # ... and their states
     depth_of: list[int | None] = attrs.field(factory=list)  # per plan entry: its depth row
+    kept_loops: list[int] = attrs.field(factory=list)  # per kept depth row: the loop it runs
+    hidden: int = 0  # the state's width (to pad kept depth rows' states)
 
     @property
     def num_rows(self) -> int:
@@ -129,7 +133,7 @@ class HostStep:
         """The step on ``device``, moved with one copy: what an eager step runs."""
         layout = step_layout(self.groups, self.entries, self.sample_rows, self.loops, self.early)
         host = [self.ids, self.positions, self.sample_rows, *self.exit_columns()]
-        depth = (self.depth_rows, self.entering)
+        depth = (self.depth_rows, self.entering, self.kept_loops)
         kv, moved = self.kv.to(device, *_host_tensors(host, layout, depth), pin=pin)
         ids, positions, sample_rows, step, use, bits = moved[:6]
         spans = 3 * len(layout.spans)
@@ -148,7 +152,7 @@ class HostStep:
             host_sample_rows=tuple(self.sample_rows),
             spans=_spans(layout, kv, moved[6:], self.prompt_rows),
             kept=self._kept(moved[6 + spans : 8 + spans]),
-            depth=self._depth(moved[8 + spans : 10 + spans]),
+            depth=self._depth(moved[8 + spans : 11 + spans]),
             modes=tuple(self.modes),
         )
 
@@ -157,6 +161,8 @@ class HostStep:
         samples, on the device)."""
         if not self.kept_states:
             return None
+        if self.depth_rows:  # each its loops so far, then zeros: [V, T, H]
+            return self._depth_kept(t)
         states = torch.stack(self.kept_states)  # [V, E, H]
         gates = None
         if self.gated:
@@ -164,16 +170,28 @@ class HostStep:
             gates = torch.stack([like if g is None else g for g in self.kept_gates])
         return Kept(rows=t[0], samples=t[1], states=states, gates=gates)
 
+    def _depth_kept(self, t: list[torch.Tensor]) -> Kept:
+        device = t[0].device
+        states = torch.zeros(len(self.kept_states), self.loops, self.hidden, dtype=torch.bfloat16)
+        states = states.to(device)
+        gates = torch.zeros(states.shape[:2], dtype=torch.bfloat16, device=device)
+        for i, (s, g) in enumerate(zip(self.kept_states, self.kept_gates, strict=True)):
+            if s.shape[0]:
+                states[i, : s.shape[0]] = s
+            if g is not None and g.shape[0]:
+                gates[i, : g.shape[0]] = g
+        return Kept(rows=t[0], samples=t[1], states=states, gates=gates if self.gated else None)
+
     def _depth(self, t: list[torch.Tensor]) -> DepthRows | None:
         """The depth rows (``t``: them and the entering ones, on the device)."""
         if not self.depth_rows:
             return None
         states = torch.stack(self.entering_states) if self.entering_states else None
-        return DepthRows(rows=t[0], entering=t[1], states=states)
+        return DepthRows(rows=t[0], entering=t[1], states=states, kept_loops=t[2])
 
 
 def _host_tensors(
-    host: list[list[int]], layout: StepLayout, depth: tuple[list[int], ...] = ([], [])
+    host: list[list[int]], layout: StepLayout, depth: tuple[list[int], ...] = ()
 ) -> list[torch.Tensor]:
     """A step's row fields, then every span's indices, the kept rows' and the depth rows', as
     host tensors."""
@@ -210,6 +228,7 @@ class StepBuilder:
 
     def __init__(self, cfg, kv: KVPlacement, early: int | None):
         self.layers, self.loops = cfg.num_hidden_layers, cfg.total_ut_steps
+        self.hidden = cfg.hidden_size
         self.kv, self.early = kv, early
 
     def build(self, plan: list[Scheduled]) -> HostStep:
@@ -229,6 +248,7 @@ class StepBuilder:
         entering: list[int] = []
         entering_states: list[torch.Tensor] = []
         depth_of: list[int | None] = []
+        kept_loops: list[int] = []
         for s in plan:
             req, ctx, start, spec = s.req, s.ctx, len(ids), s.entry
             ids += req.tokens(ctx, ctx + s.n) if spec is None else list(spec.ids)
@@ -251,15 +271,17 @@ class StepBuilder:
             if s.loop is not None:
                 depth_rows.append(start)
                 token = req.depth
-                if s.finishing:  # sampled: the states of its earlier loops are kept
-                    assert token is not None
-                    kept_states.append(torch.stack(token.states))
-                    whole = len(token.gates) == len(token.states)  # gated at every loop
-                    kept_gates.append(torch.stack(token.gates) if whole else None)
-                elif s.loop:
+                if s.loop:  # it goes on from the state its last loop left
                     assert token is not None
                     entering.append(start)
                     entering_states.append(token.states[-1])
+                if s.finishing or s.may_exit:  # sampled: the states of its earlier loops kept
+                    states = token.states if token is not None else []
+                    gates = token.gates if token is not None else []
+                    whole = len(gates) == len(states)  # gated at every loop so far
+                    kept_states.append(torch.stack(states) if states else torch.empty(0))
+                    kept_gates.append(torch.stack(gates) if whole and gates else None)
+                    kept_loops.append(s.loop)
         speculative = groups["draft"] + groups["verify"] > 0
         return HostStep(
             plan=plan,
@@ -281,6 +303,8 @@ class StepBuilder:
             entering=entering,
             entering_states=entering_states,
             depth_of=depth_of,
+            kept_loops=kept_loops,
+            hidden=self.hidden,
         )
 
 

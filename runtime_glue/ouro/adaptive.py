@@ -17,6 +17,18 @@ import torch
 from hal.types import KVAddressing
 
 
+def fill_skipped_planes(model, kv: KVAddressing, row: int, t: int) -> None:
+    """Row ``row``'s loop-``t`` K/V into its slots of every later loop, at every layer (``kv``:
+    the row's addressing as a plain step has it). Adaptive depth's fill, and depth-wise
+    batching's for a token that leaves after loop ``t`` (``runtime_glue.engine.core``)."""
+    src = kv.write_slots(t)[row : row + 1]
+    for later in range(t + 1, model.cfg.total_ut_steps):
+        dst = kv.write_slots(later)[row : row + 1]
+        for li in range(model.cfg.num_hidden_layers):
+            k, v = model.kv.gather(li, src)  # [1, kv_heads, 1, d]
+            model.kv.write(li, k[0].transpose(0, 1), v[0].transpose(0, 1), dst)
+
+
 class Adaptive:
     def __init__(self, model, step, exits: dict[int, float]) -> None:
         self.model, self.step, self.exits = model, step, exits
@@ -79,14 +91,7 @@ class Adaptive:
         return bool(self.cumulative[r] >= self.exits[r])  # a read of the device, per loop
 
     def _fill_skipped_planes(self, t: int, row: int) -> None:
-        """Row ``row``'s loop-``t`` K/V into its slots of every later loop, at every layer."""
-        model, kv = self.model, self.original
-        src = kv.write_slots(t)[row : row + 1]
-        for later in range(t + 1, model.cfg.total_ut_steps):
-            dst = kv.write_slots(later)[row : row + 1]
-            for li in range(model.cfg.num_hidden_layers):
-                k, v = model.kv.gather(li, src)  # [1, kv_heads, 1, d]
-                model.kv.write(li, k[0].transpose(0, 1), v[0].transpose(0, 1), dst)
+        fill_skipped_planes(self.model, self.original, row, t)
 
     def sampled(self, h: torch.Tensor) -> torch.Tensor:
         """This loop's state of each sampled row: an exited row keeps the state it exited with."""

@@ -198,13 +198,15 @@ class OuroModel:
         T, R, N = self.cfg.total_ut_steps, step.sample_rows.shape[0], step.input_ids.shape[0]
         h = F.embedding(step.input_ids, self.embed)  # [N, H]
         cos, sin = self.rope(step.positions, step.max_position)
-        kept = step.kept
-        if kept is not None:  # verify rows start from the state their drafts kept
-            h = h.index_copy(0, kept.rows, kept.states[:, -1])
-        depth, carried, carried_gates = step.depth, None, None
+        kept, depth, carried, carried_gates = step.kept, step.depth, None, None
         if depth is not None and depth.states is not None:  # depth rows past loop 0
             h = h.index_copy(0, depth.entering, depth.states)
-        adaptive = Adaptive.start(self, step) if self.plan.adaptive_depth else None
+        elif depth is None and kept is not None:  # verify rows: from the states drafts kept
+            h = h.index_copy(0, kept.rows, kept.states[:, -1])
+        # Under depth-wise batching a row's exit is decided between steps (engine.core).
+        adaptive = None
+        if self.plan.adaptive_depth and depth is None:
+            adaptive = Adaptive.start(self, step)
         hs: list[list] = [[] for _ in range(T)]  # per loop: (sampled rows, their states)
         gates: list[list] = [[] for _ in range(T)]
         every_row_gates = self._every_row_gates(step, adaptive)
@@ -223,7 +225,7 @@ class OuroModel:
                     at = span.rows if every_row_gates else span.samples
                     gates[t].append((at, self._gate(x, picked, step, every_row_gates)))
             if depth is not None and span is spans[0]:
-                carried, carried_gates = self._depth_pass(x, depth, kept, step, hs, gates)
+                carried, carried_gates, kept = self._depth_pass(x, depth, kept, step)
             if span is not spans[-1]:
                 h = h.index_copy(0, span.rows, x)  # the next span continues from here
         if R == 0:  # depth rows only, none at its last loop: nothing is sampled
@@ -247,19 +249,22 @@ class OuroModel:
             return out
         return attrs.evolve(out, carried=carried, carried_gates=carried_gates)
 
-    def _depth_pass(self, x, depth: DepthRows, kept: Kept | None, step: StepInputs, hs, gates):
+    def _depth_pass(self, x, depth: DepthRows, kept: Kept | None, step: StepInputs):
         """After the first span's pass: each depth row's state (and gate) after its loop, and
-        the last-loop rows' states (gates) filed under loop T-1 for the exit rule. The gates
-        by the generated rows' kernel, as plain decoding computes a sampled row's."""
-        T, ops = self.cfg.total_ut_steps, self.kernels.bind(0)
+        the kept (sampled) depth rows with this pass's state (gate) put in at their loop, for
+        the exit rule. The gates by the generated rows' kernel, as plain decoding computes a
+        sampled row's."""
+        ops = self.kernels.bind(0)
         carried = x.index_select(0, depth.rows)
         carried_gates = self._gate_of(ops, carried) if step.exits.gated else None
-        if kept is not None:  # the depth rows at their last loop: kept, and sampled
-            last = x.index_select(0, kept.rows)
-            hs[T - 1].append((kept.samples, last))
-            if step.exits.gated:
-                gates[T - 1].append((kept.samples, self._gate_of(ops, last)))
-        return carried, carried_gates
+        if kept is not None:
+            at = (torch.arange(kept.rows.shape[0], device=x.device), depth.kept_loops)
+            now = x.index_select(0, kept.rows)
+            gates = kept.gates
+            if gates is not None:
+                gates = gates.index_put(at, self._gate_of(ops, now))
+            kept = attrs.evolve(kept, states=kept.states.index_put(at, now), gates=gates)
+        return carried, carried_gates, kept
 
     @staticmethod
     def _enter(span: Span, h, cos, sin):

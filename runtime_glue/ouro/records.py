@@ -43,12 +43,15 @@ class Kept:
 class DepthRows:
     """Depth-wise rows (``--depth-batching``, docs/depth-batching.md): generated rows that run
     one loop each in this step, whichever loop their token is at, all in the step's first span
-    (its attention shifts each row to its own loop's planes). Rows at the last loop are the
-    step's ``Kept`` rows: sampled, their earlier loops' states kept by the steps before."""
+    (its attention shifts each row to its own loop's planes). The sampled ones (at the last
+    loop, or at a loop where they may exit under adaptive depth) are the step's ``Kept`` rows:
+    ``states [V, T, H]`` holds the loops their earlier steps ran (zeros after), and this pass's
+    state goes in at ``kept_loops``."""
 
     rows: torch.Tensor  # [D] int64: every depth row of the step, ascending
-    entering: torch.Tensor  # [D'] int64: those at loops 1 .. T-2 ...
+    entering: torch.Tensor  # [D'] int64: those past loop 0 ...
     states: torch.Tensor | None  # [D', H]: ... start from the state their last loop left
+    kept_loops: torch.Tensor  # [V] int64: the loop each kept (sampled) depth row runs now
 
 
 @attrs.frozen(eq=False, kw_only=True)
