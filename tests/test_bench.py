@@ -147,6 +147,21 @@ def test_bench_determinism_reports_the_cost_of_the_mode(tmp_path):
         assert f"| {name} | {r['off_tok_s']:.2f} | {r['on_tok_s']:.2f} | " in table
 
 
+def test_bench_adaptive_compares_full_depth_adaptive_depth_and_depth_wise_batching(tmp_path):
+    report, table = _bench(
+        tmp_path,
+        "adaptive --preset tiny --input-len 8 --output-len 4 --runs 1 --concurrency 3 "
+        "--block-size 16 --exit-threshold 0.5",
+    )
+    assert set(report["levels"]) == {"c1", "c3"}
+    assert report["depth_equals_adaptive"] is True  # the same bits, only scheduled otherwise
+    assert 1 <= report["mean_loops_adaptive"] < report["loops"]
+    for name, r in report["levels"].items():
+        assert _positive(r["full_tok_s"]) and _positive(r["depth_tok_s"])
+        assert f"| {name} | {r['full_tok_s']:.2f} | {r['adaptive_tok_s']:.2f} |" in table
+        assert f"| {r['depth_tok_s']:.2f} | {r['depth_speedup']:.2f}x |" in table
+
+
 def test_bench_plans_compares_the_default_with_every_single_kernel_plan(tmp_path):
     report, table = _bench(
         tmp_path,

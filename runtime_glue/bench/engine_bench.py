@@ -368,20 +368,26 @@ def markdown_plans(report: dict) -> str:
     return "\n".join(lines)
 
 
+VARIANTS = ("full", "adaptive", "depth")
+
+
 def adaptive_depth(llm: LLM, input_len: int, output_len: int, runs: int, concurrency: int) -> dict:
-    """Full compute against adaptive depth (``llm`` with the plan's exit threshold), on one
-    load of the weights, runs interleaved: tokens/s at c=1 and ``concurrency``, the mean number
-    of loops a generated token ran, and how many tokens equal full compute's."""
+    """Full compute against adaptive depth (``llm`` with the plan's exit threshold) and
+    adaptive depth with depth-wise batching (``--depth-batching``: a token leaves its step's
+    batch after its exit loop), on one load of the weights, runs interleaved: tokens/s at c=1
+    and ``concurrency``, the mean number of loops a generated token ran, how many tokens equal
+    full compute's, and whether depth-wise batching gave adaptive depth's tokens."""
     full, adaptive = llm.variant(adaptive_depth=False), llm.variant(adaptive_depth=True)
+    depth = llm.variant(adaptive_depth=True, depth_batching=True)
     vocab, loops = llm.config.vocab_size, llm.config.total_ut_steps
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     prompts = [_prompt(input_len, vocab, seed=i) for i in range(concurrency)]
     levels = {"c1": prompts[:1], f"c{concurrency}": prompts}
-    tok_s: dict[str, dict[str, list[float]]] = {k: {"full": [], "adaptive": []} for k in levels}
+    tok_s: dict[str, dict[str, list[float]]] = {k: {v: [] for v in VARIANTS} for k in levels}
     outs: dict[str, list] = {}
     for _ in range(runs):
         for level, batch in levels.items():
-            for name, variant in (("full", full), ("adaptive", adaptive)):
+            for name, variant in zip(VARIANTS, (full, adaptive, depth), strict=True):
                 start = time.perf_counter()
                 got = variant.generate(batch, params)
                 tok_s[level][name].append(output_len * len(batch) / (time.perf_counter() - start))
@@ -390,7 +396,7 @@ def adaptive_depth(llm: LLM, input_len: int, output_len: int, runs: int, concurr
     pairs = list(zip(outs[f"{level}/full"], outs[f"{level}/adaptive"], strict=True))
     same = sum(a == b for f, d in pairs for a, b in zip(f.token_ids, d.token_ids, strict=True))
     # Loops a decode token ran: its exit loop + 1 (the first token comes from the prefill).
-    depth = [s + 1 for _, d in pairs for s in d.exit_steps[1:]]
+    ran = [s + 1 for _, d in pairs for s in d.exit_steps[1:]]
     full_depth = [s + 1 for f, _ in pairs for s in f.exit_steps[1:]]
     report = {
         "machine": machine(),
@@ -400,29 +406,42 @@ def adaptive_depth(llm: LLM, input_len: int, output_len: int, runs: int, concurr
         "output_len": output_len,
         "runs": runs,
         "loops": loops,
-        "mean_loops_adaptive": statistics.mean(depth),
+        "mean_loops_adaptive": statistics.mean(ran),
         "mean_exit_depth_full": statistics.mean(full_depth),
         "agreement": same / (len(pairs) * output_len),
+        "depth_equals_adaptive": all(
+            a.token_ids == d.token_ids
+            for a, d in zip(outs[f"{level}/adaptive"], outs[f"{level}/depth"], strict=True)
+        ),
         "levels": {},
     }
-    for lv, pair in tok_s.items():
-        f, a = statistics.median(pair["full"]), statistics.median(pair["adaptive"])
-        report["levels"][lv] = {"full_tok_s": f, "adaptive_tok_s": a, "speedup": a / f}
+    for lv, by in tok_s.items():
+        f, a, d = (statistics.median(by[v]) for v in VARIANTS)
+        report["levels"][lv] = {
+            "full_tok_s": f,
+            "adaptive_tok_s": a,
+            "depth_tok_s": d,
+            "speedup": a / f,
+            "depth_speedup": d / f,
+        }
     return report
 
 
 def markdown_adaptive(report: dict) -> str:
     lines = [
-        "| concurrency | full compute tok/s | adaptive depth tok/s | speed-up |",
-        "|---|---|---|---|",
+        "| concurrency | full compute tok/s | adaptive depth tok/s | speed-up | "
+        "depth-wise batching tok/s | speed-up |",
+        "|---|---|---|---|---|---|",
     ]
     for level, r in report["levels"].items():
         lines.append(
-            f"| {level} | {r['full_tok_s']:.2f} | {r['adaptive_tok_s']:.2f} | {r['speedup']:.2f}x |"
+            f"| {level} | {r['full_tok_s']:.2f} | {r['adaptive_tok_s']:.2f} | {r['speedup']:.2f}x "
+            f"| {r['depth_tok_s']:.2f} | {r['depth_speedup']:.2f}x |"
         )
     lines.append(
         f"\nloops per decode token: {report['mean_loops_adaptive']:.2f} of {report['loops']} "
         f"(the threshold's exit depth with every loop run: {report['mean_exit_depth_full']:.2f}); "
-        f"tokens equal to full compute's: {report['agreement']:.1%}"
+        f"tokens equal to full compute's: {report['agreement']:.1%}; depth-wise batching "
+        f"gave adaptive depth's tokens: {'yes' if report['depth_equals_adaptive'] else 'NO'}"
     )
     return "\n".join(lines)

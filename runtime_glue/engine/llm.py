@@ -264,6 +264,7 @@ class LLM:
         linear: str | None = None,
         adaptive_depth: bool | None = None,
         mode: str | None = None,
+        depth_batching: bool | None = None,
     ) -> LLM:
         """The same weights and KV pool under the plan these flags resolve to (benchmarks
         compare plans this way). Run one of the two at a time: they share the KV pool and its
@@ -283,6 +284,10 @@ class LLM:
             exit_at_step=defaults.step,
             exit_threshold=defaults.threshold,
             remeasure_plan=False,
+            depth_batching=self.args.depth_batching if depth_batching is None else depth_batching,
+        )
+        other.engine_config = attrs.evolve(
+            self.engine_config, depth_batching=other.args.depth_batching
         )
         other._check(other.args.attention_backend)  # before the plan's kernel trials
         other._build(other._resolve())
