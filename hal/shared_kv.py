@@ -65,10 +65,14 @@ def build_shared_addressing(
     num_blocks: int,
     layers: int,
     loops: int,
+    offsets: Sequence[int] | None = None,
 ) -> KVAddressing:
     """Host addressing of a step's ``requests`` under decode KV sharing, rows in that order:
     one ``AttentionMetadata`` per loop, each checked on the host (slots in range, no slot
-    written twice); and no physical block both a prompt block and a generated block's home."""
+    written twice); and no physical block both a prompt block and a generated block's home.
+    ``offsets``: per request, the loop its loop 0 is (depth-wise rows, which run one loop a
+    step from the loop-0 metadata: loop ``t`` of such a request reads loop ``t + o``'s table,
+    the last loop's past the end)."""
     prompt_homes: set[int] = set()
     gen_homes: set[int] = set()
     for _, _, prompt, prompt_len, generated in requests:
@@ -82,7 +86,11 @@ def build_shared_addressing(
         raise IndexError(f"blocks {sorted(clash)} hold both prompt and generated positions")
     reach = (loops * layers - layers + 1) * num_blocks * block_size  # from any layer's plane
     metas = []
+    shift = offsets if offsets is not None else [0] * len(requests)
     for t in range(loops):
-        tables = [(r[0], r[1], loop_table(r, t, layers, num_blocks)) for r in requests]
+        tables = [
+            (r[0], r[1], loop_table(r, min(t + o, loops - 1), layers, num_blocks))
+            for r, o in zip(requests, shift, strict=True)
+        ]
         metas.append(AttentionMetadata.build(block_size, tables, reach))
     return KVAddressing(layers, num_blocks * block_size, tuple(metas))

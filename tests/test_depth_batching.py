@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_glue.engine import core
+from runtime_glue.engine import core, kv_placement
 from runtime_glue.engine.core import Engine
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
@@ -128,6 +128,35 @@ def test_with_adaptive_depth_a_token_leaves_at_its_exit_loop_with_adaptive_depth
     depth.generate([p for p, _ in jobs], [p for _, p in jobs])
     ran = depth.engine.stats["depth_rows"] - before
     assert ran == loops < T * generated, "each token runs its loops up to its exit, no more"
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, dict(adaptive_depth=True, exit_threshold=0.5)], ids=["full-depth", "adaptive"]
+)
+def test_under_kv_sharing_depth_rows_read_the_planes_sharing_gives_their_loop(gqa, kw):
+    """Decode KV sharing keeps a generated position's K/V in one plane per layer that every
+    loop writes and reads; a depth row at loop t reads loop t's tables (prompt planes of loop
+    t, the shared generated planes): kv sharing's bits, bit for bit, with and without exits."""
+    sharing, depth = _pair(gqa, "cpu", kv_sharing="last", **kw)
+    jobs = jobs_of(sharing)
+    assert_same(run(depth, jobs), run(sharing, jobs))
+    assert depth.engine.stats["depth_rows"] > 0
+
+
+def test_a_planted_shared_table_at_the_wrong_loop_is_caught(gqa, monkeypatch):
+    """Under sharing, depth rows addressed with loop 0's tables (the offsets dropped) read and
+    write the wrong prompt planes: not kv sharing's bits."""
+    sharing, depth = _pair(gqa, "cpu", kv_sharing="last")
+    jobs = jobs_of(sharing)
+    want = run(sharing, jobs)
+    real = kv_placement.build_shared_addressing
+    monkeypatch.setattr(
+        kv_placement,
+        "build_shared_addressing",
+        lambda bs, requests, nb, layers, loops, offsets=None: real(bs, requests, nb, layers, loops),
+    )
+    with pytest.raises(AssertionError, match="request"):
+        assert_same(run(depth, jobs), want)
 
 
 def test_a_planted_missing_fill_of_the_skipped_planes_is_caught(gqa, monkeypatch):

@@ -116,6 +116,7 @@ def test_each_refused_pair_is_refused_with_its_reason(refused):
         dict(adaptive_depth=True, kv_sharing="last"),
         dict(depth_batching=True, mode="fast"),
         dict(depth_batching=True, adaptive_depth=True),
+        dict(depth_batching=True, kv_sharing="last"),
     ],
 )
 def test_the_pairs_that_combine_are_not_refused(options):
@@ -129,7 +130,6 @@ def test_only_the_declared_pairs_are_refused():
         ("step_graphs", "adaptive_depth"),
         ("speculative_loops", "depth_batching"),
         ("step_graphs", "depth_batching"),
-        ("kv_sharing", "depth_batching"),
         ("num_blocks", "kv_cache_memory"),
         ("mode", "quantize_activations"),  # hf-exact with per-token activations
         ("deterministic", "quantize_activations"),  # --no-deterministic, its alias

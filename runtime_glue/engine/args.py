@@ -149,12 +149,6 @@ REFUSED = (
         "depth row from the state its own last step kept: one step cannot lay out both yet",
     ),
     (
-        "kv_sharing", "last", "depth_batching", True,
-        "a shared generated plane is written by a position's last loop and read by every "
-        "loop, so a depth row at loop t must read the plane a plain step's loop t reads "
-        "(the per-loop shared tables of docs/depth-batching.md, not built yet)",
-    ),
-    (
         "step_graphs", True, "depth_batching", True,
         "a captured step samples every row and carries no state between steps; a depth row "
         "is sampled only at its last loop and carries its state",

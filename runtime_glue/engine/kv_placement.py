@@ -215,13 +215,19 @@ class SharedDecode(PerDepth):
         self.allocator.reclaim(wait=wait)
 
     def entry(self, req: Request, n: int, ctx: int, loop: int = 0) -> tuple:
-        if loop:  # each loop's own tables, offset per row: docs/depth-batching.md, section 3
-            raise NotImplementedError("depth-wise rows under decode KV sharing: not built yet")
-        return (n, ctx, req.blocks, len(req.prompt_ids), req.gen_blocks)
+        if not 0 <= loop < self.loops:
+            raise ValueError(f"loop must be in [0, {self.loops}), got {loop}")
+        return (n, ctx, req.blocks, len(req.prompt_ids), req.gen_blocks, loop)
 
     def addressing(self, entries: list[tuple]) -> KVAddressing:
+        """Loop ``t``'s tables for each entry at loop ``o``: loop ``t + o``'s (depth-wise rows
+        run one loop a step, from loop 0's metadata)."""
         nb = self.allocator.num_blocks
-        return build_shared_addressing(self.block_size, entries, nb, self.layers, self.loops)
+        requests = [e[:5] for e in entries]
+        offsets = [e[5] for e in entries]
+        return build_shared_addressing(
+            self.block_size, requests, nb, self.layers, self.loops, offsets
+        )
 
     def audit(self, running: list[Request], reserved: list[int]) -> None:
         self.shared.audit([req.gen_blocks for req in running])
