@@ -157,7 +157,7 @@ class HostStep:
         )
 
     def _kept(self, t: list[torch.Tensor]) -> Kept | None:
-        """The verify rows' (or last-loop depth rows') kept states (``t``: their rows and
+        """The verify rows' (or sampled depth rows') kept states (``t``: their rows and
         samples, on the device)."""
         if not self.kept_states:
             return None
@@ -171,6 +171,8 @@ class HostStep:
         return Kept(rows=t[0], samples=t[1], states=states, gates=gates)
 
     def _depth_kept(self, t: list[torch.Tensor]) -> Kept:
+        """Sampled depth rows: each one's states (gates) of the loops it ran, zeros after, in
+        ``[V, T, H]`` (``[V, T]``): the model puts this pass's in at its loop."""
         device = t[0].device
         states = torch.zeros(len(self.kept_states), self.loops, self.hidden, dtype=torch.bfloat16)
         states = states.to(device)
