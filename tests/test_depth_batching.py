@@ -204,3 +204,26 @@ def test_metrics_count_the_loops_run_depth_wise(gqa):
         for s in family.samples
     }
     assert samples["rlt_hal_depth_rows_total"] == depth.config.total_ut_steps * 2
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, dict(adaptive_depth=True, exit_threshold=0.5)], ids=["full-depth", "adaptive"]
+)
+def test_structured_outputs_and_n_samples_through_depth_rows(tiny_ckpt, kw):
+    """A grammar masks a depth row's token only where it is sampled (its last loop, or a loop
+    it may leave after, whose token is dropped if it does not: the matcher moves only on
+    emitted tokens), and n > 1 forks from the prompt: the reference's outputs and logits."""
+    from tests.test_sampling_stage import JSON, PROMPT, REGEX
+
+    plain, depth = _pair(tiny_ckpt, "cpu", **kw)
+    for params in (
+        SamplingParams(max_tokens=40, structured_outputs=JSON),
+        SamplingParams(max_tokens=30, temperature=0.9, seed=5, structured_outputs=REGEX),
+        SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=7, ignore_eos=True),
+    ):
+        [want] = plain.generate([PROMPT], params, return_logits=True)
+        [got] = depth.generate([PROMPT], params, return_logits=True)
+        for g, w in zip(got.outputs, want.outputs, strict=True):
+            assert g.token_ids == w.token_ids
+            assert torch.equal(g.logits, w.logits)
+    assert depth.engine.stats["depth_rows"] > 0
