@@ -227,3 +227,16 @@ def test_structured_outputs_and_n_samples_through_depth_rows(tiny_ckpt, kw):
             assert g.token_ids == w.token_ids
             assert torch.equal(g.logits, w.logits)
     assert depth.engine.stats["depth_rows"] > 0
+
+
+def test_bench_ops_counts_a_depth_token_over_its_steps(tiny_ckpt):
+    """``bench ops`` counts a depth-wise token's device ops over the T steps that make it."""
+    from runtime_glue.bench.ops_bench import count_decode
+
+    plain, depth = _pair(tiny_ckpt, "npu")
+    T = depth.config.total_ut_steps
+    got, want = count_decode(depth), count_decode(plain)
+    assert set(got["by_step_kind"]) == {"depth"} and set(want["by_step_kind"]) == {"decode"}
+    assert got["steps_per_decode_token"] == T and want["steps_per_decode_token"] == 1
+    one_pass = got["by_step_kind"]["depth"]["device_ops_per_step"]
+    assert got["device_ops_per_decode_token"] >= T * one_pass * 0.9

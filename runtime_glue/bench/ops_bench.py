@@ -41,7 +41,10 @@ def graph_host_calls(llm: LLM) -> dict[str, int] | None:
 
 
 def _kind(step) -> str:
-    """A forward's kind: a plain decode step, or a speculative draft or verify step."""
+    """A forward's kind: a plain decode step, a speculative draft or verify step, or a
+    depth-wise step (``--depth-batching``: one pass over the layers, one loop of a token)."""
+    if step.depth is not None:
+        return "depth"
     if len(step.spans) == 1:
         return "decode"
     return "verify" if step.kept is not None else "draft"
@@ -59,12 +62,15 @@ def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict
     engine, model = llm.engine, llm.model
     if llm.speculative is not None:
         steps = max(steps, 2 * (llm.speculative.tokens + 2))
+    if llm.args.depth_batching:  # a token takes a step a loop: count whole tokens
+        steps = max(steps, 3 * llm.config.total_ut_steps)
     gen = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(3, llm.config.vocab_size, (prompt_len,), generator=gen).tolist()
     rid = f"bench-ops-{id(llm)}"
     max_tokens = 4 * steps + 1  # a round of drafts never runs out of tokens
     engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     engine.step()  # the prefill, and the first token
+    before = len(engine.requests[rid].output_ids)
     forwards: list[tuple[str, int, DeviceOpCounter]] = []
     inner = model.forward
 
@@ -85,9 +91,10 @@ def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict
     finally:
         del model.forward  # the class's method again
         engine.graphs = graphs
+    tokens = len(engine.requests[rid].output_ids) - before
     engine.abort_request(rid)
     by_kind = {}
-    for kind in ("decode", "draft", "verify"):
+    for kind in ("decode", "draft", "verify", "depth"):
         mine = [(passes, c) for k, passes, c in forwards if k == kind]
         if mine:
             by_kind[kind] = {
@@ -99,6 +106,8 @@ def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict
     cfg = llm.config
     passes = cfg.total_ut_steps * cfg.num_hidden_layers
     per_token = statistics.median(c.device_ops for _, _, c in forwards)
+    if llm.args.depth_batching:  # T forwards a token: all of them, over the tokens they made
+        per_token = sum(c.device_ops for _, _, c in forwards) / max(tokens, 1)
     return {
         "plan": llm.plan.describe(),
         "mode": llm.plan.mode,
@@ -112,6 +121,7 @@ def count_decode(llm: LLM, steps: int = 3, prompt_len: int = PROMPT_LEN) -> dict
         "layer_passes": passes,
         "engine_step_device_ops": statistics.median(c.device_ops for c in step_counts),
         "host_reads_per_step": statistics.median(c.host_reads for c in step_counts),
+        "steps_per_decode_token": steps / max(tokens, 1),
         "views_per_decode_token": statistics.median(sum(c.views.values()) for _, _, c in forwards),
         "top_ops": forwards[-1][2].summary()["top_ops"],
         "host_calls_per_step_graph_replay": graph_host_calls(llm),
@@ -168,6 +178,12 @@ def markdown_ops(report: dict) -> str:
                 f"{row['engine_step_device_ops']:.0f} | {row['host_reads_per_step']:.0f} | "
                 f"{calls} |"
             )
+    plan = report["plan"]
+    lines += [
+        "",
+        f"device ops per decode token ({plan['mode']}): {plan['device_ops_per_decode_token']:.0f}"
+        f", {plan['steps_per_decode_token']:.2f} steps a token",
+    ]
     top = ", ".join(f"{n} {c}" for n, c in report["plan"]["top_ops"].items())
     lines += ["", f"top ops ({report['plan']['mode']}): {top}"]
     for a in report.get("admissions", []):
