@@ -55,6 +55,20 @@ def test_exit_modes_and_chunked_prefill_equal_plain_decoding(gqa, kw):
     assert_same(run(depth, jobs), run(plain, jobs))
 
 
+@pytest.mark.parametrize("kw", [{}, dict(adaptive_depth=True)], ids=["full-depth", "adaptive"])
+def test_per_request_exit_modes_in_one_batch_equal_the_reference(gqa, kw):
+    """A weighted exit (every loop's logits by the exit distribution), a fixed loop and a
+    threshold side by side in one batch of depth rows (under adaptive depth only the
+    threshold's row may leave early)."""
+    plain, depth = _pair(gqa, "cpu", **kw)
+    jobs = [
+        (prompt_of(6, seed=11), greedy(8, weighted_exit=True)),
+        (prompt_of(9, seed=12), greedy(6, exit_at_step=2)),
+        (prompt_of(4, seed=13), greedy(7, exit_threshold=0.6)),
+    ]
+    assert_same(run(depth, jobs), run(plain, jobs))
+
+
 def test_sampling_penalties_and_logprobs_equal_plain_decoding(gqa):
     plain, depth = _pair(gqa, "cpu")
     jobs = [
