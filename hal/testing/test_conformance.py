@@ -374,15 +374,19 @@ def test_greedy_generation_matches_the_cpu_driver(driver, rlt_driver_name, tmp_p
         for g, w in zip(got, want, strict=True):
             assert g.token_ids == w.token_ids, f"{backend}: greedy tokens differ from cpu"
         if exact and not _same_logits(got, want):
-            # HF-exact bits are torch's bf16 kernels' bits, and those kernels do not promise
-            # to repeat themselves run to run on every machine (a CI machine once gave two
-            # engines of this one process different late rows). A driver's own error repeats;
-            # a library's flicker does not: a mismatch fails only if a second run repeats it.
+            # HF-exact bits are torch's bf16 kernels' bits, and those do not always repeat
+            # within a process: after the kit's earlier cases, the first HF-exact engine of
+            # this case sometimes computes a prompt's prefill in other bits than every engine
+            # after it (seen on a CI machine and on an AVX-512 Xeon, about 1 kit run in 7;
+            # never with this case alone; the cause is not found). A driver's own error
+            # repeats; that does not: a mismatch fails only if fresh engines on both sides
+            # repeat it.
             again = generate()
-            assert _same_logits(again, want), f"{backend}: logits differ from cpu (twice)"
+            reference = _exact_generation(ckpt, "cpu", None, prompts, params)
+            assert _same_logits(again, reference), f"{backend}: logits differ from cpu (twice)"
             warnings.warn(
-                f"{backend}: one run's logits differed from cpu and a second run's did not: "
-                "torch's bf16 kernels did not repeat their bits on this machine",
+                f"{backend}: one pair of runs' logits differed and a fresh pair's did not: "
+                "torch's bf16 kernels did not repeat their bits in this process",
                 stacklevel=1,
             )
 
