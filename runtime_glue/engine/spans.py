@@ -11,8 +11,8 @@ lay out the same rows differently. Rows are ordered prompt | generated | draft |
 - A step with depth-wise rows (``--depth-batching``; after the others) has two, or one when
   it holds nothing else: every row runs one pass over the layers (loop 0, where a depth row's
   attention is shifted to its own loop's planes), then the prompt and generated rows run
-  loops 1 .. T-1. Depth rows at the last loop are sampled; their earlier loops' states were
-  kept (``StepLayout.kept``).
+  loops 1 .. T-1. Depth rows at the last loop (or, under adaptive depth, at a loop they may
+  leave after) are sampled; their earlier loops' states were kept (``StepLayout.kept``).
 
 Every index list is ascending, a span's rows and its samples alike.
 """

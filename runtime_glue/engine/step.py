@@ -174,9 +174,9 @@ class HostStep:
         """Sampled depth rows: each one's states (gates) of the loops it ran, zeros after, in
         ``[V, T, H]`` (``[V, T]``): the model puts this pass's in at its loop."""
         device = t[0].device
-        states = torch.zeros(len(self.kept_states), self.loops, self.hidden, dtype=torch.bfloat16)
-        states = states.to(device)
-        gates = torch.zeros(states.shape[:2], dtype=torch.bfloat16, device=device)
+        shape = (len(self.kept_states), self.loops, self.hidden)
+        states = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        gates = torch.zeros(shape[:2], dtype=torch.bfloat16, device=device)
         for i, (s, g) in enumerate(zip(self.kept_states, self.kept_gates, strict=True)):
             if s.shape[0]:
                 states[i, : s.shape[0]] = s

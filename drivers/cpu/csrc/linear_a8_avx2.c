@@ -120,50 +120,9 @@ INLINE __m256i block8(const int8_t *xq, const int8_t *xa, size_t o, __m256i wv, 
     return dot32(_mm256_loadu_si256((const __m256i *)(xa + o)), wv, xv);
 }
 
-/* int8: one weight row against mb quantized input rows (xq, their absolute values xa, their
- * block scales d: ldq inputs and ldq / QB scales a row). full: the weight may hold -128
- * (then |w| takes vpmaddubsw's unsigned side, one more instruction a block: 1.04-1.10x the
- * time of one row here; xa is not read). */
-INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
-                 const int8_t *w, const uint16_t *scale, int K, int group, uint16_t *y, int ldy,
-                 int full) {
-    int nblk = K / QB, ldd = ldq / QB;
-    __m256 acc[MB];
-    for (int j = 0; j < MB; j++) acc[j] = _mm256_setzero_ps();
-    /* int8g: the scale of the block's group, sg, read as each group starts (no division in
-     * the loop); int8: sg stays 1 and d * 1 is d, exactly. */
-    int per = group / QB, left = 0;
-    const uint16_t *next = scale;
-    float sg = 1.0f;
-    for (int b = 0; b < nblk; b++) {
-        /* A prefetch ahead of the hardware's: one request per cache line. */
-        if (b % 2 == 0) _mm_prefetch((const char *)(w + b * QB) + PREFETCH, _MM_HINT_T0);
-        if (per && left-- == 0) {
-            sg = bf16_to_f32(*next++);
-            left = per - 1;
-        }
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + b * QB));
-        __m256i aw = full ? _mm256_abs_epi8(wv) : wv;
-        for (int j = 0; j < mb; j++) {
-            __m256i lanes = block8(xq, xa, (size_t)j * ldq + b * QB, wv, aw, full);
-            __m256 sum = _mm256_cvtepi32_ps(lanes);
-            acc[j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[(size_t)j * ldd + b] * sg), acc[j]);
-        }
-    }
-    for (int j = 0; j < mb; j++) {
-        float t = hsum(acc[j]);
-        const int8_t *xj = xq + (size_t)j * ldq;
-        int tail = 0;
-        for (int k = nblk * QB; k < K; k++) tail += xj[k] * w[k];
-        if (nblk * QB < K) t += (float)tail * d[(size_t)j * ldd + nblk]; /* int8 only */
-        y[(size_t)j * ldy] = f32_to_bf16(group ? t : t * bf16_to_f32(scale[0]));
-    }
-}
-
-#ifdef RLT_A8_VNNI
-/* row8 for R weight rows far apart at once (the VNNI build, whose 32 vector registers hold
- * their accumulators): R streams a thread, block b of each in turn; each row's arithmetic is
- * row8's, in the same order: the same bits. Decode (one register block of input rows) reads
+/* R weight rows far apart at once (R > 1: the VNNI build, whose 32 vector registers hold
+ * their accumulators): R streams a thread, block b of each in turn, each row's arithmetic the
+ * same as alone (row8: R = 1): the same bits. Decode (one register block of input rows) reads
  * STREAMS rows at once: over 24 layers of ouro-1.4b-shape (4.93 GB a token, not
  * cache-resident, 2 threads) 244-266 ms a token against 317-320 ms with two (AVX-512 Xeon);
  * more input rows keep two (6 streams' 24 accumulators: 25-26 ms against 23 ms for 64 rows of
@@ -211,7 +170,19 @@ INLINE void row8_multi(const int8_t *xq, const int8_t *xa, const float *d, int l
             ys[r][(size_t)j * ldy] = f32_to_bf16(group ? t : t * bf16_to_f32(scales[r][0]));
         }
 }
-#endif
+/* int8: one weight row against mb quantized input rows (xq, their absolute values xa, their
+ * block scales d: ldq inputs and ldq / QB scales a row). full: the weight may hold -128
+ * (then |w| takes vpmaddubsw's unsigned side, one more instruction a block: 1.04-1.10x the
+ * time of one row here; xa is not read). */
+INLINE void row8(const int8_t *xq, const int8_t *xa, const float *d, int ldq, int mb,
+                 const int8_t *w, const uint16_t *scale, int K, int group, uint16_t *y, int ldy,
+                 int full) {
+    const int8_t *ws[1] = {w};
+    const uint16_t *ss[1] = {scale};
+    uint16_t *ys[1] = {y};
+    row8_multi(xq, xa, d, ldq, mb, ws, ss, ys, K, group, ldy, full, 1);
+}
+
 
 /* int8 (group 0: one scale a row) or int8g. */
 static int linear_a8(const uint16_t *x, const int8_t *w, const uint16_t *scale, uint16_t *y, int M,
@@ -417,65 +388,10 @@ int A8(rlt_linear_int8g_a8)(const uint16_t *x, const int8_t *w, const uint16_t *
  * its own lane (no horizontal adds), and what the per-row layout spent on each row and block
  * (the scale products, the offset, the conversion and the FMA) is spent once an octet here,
  * vectorized over its eight rows. */
-INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq, int mb,
-                   const uint8_t *w, const uint16_t *s, int K, int group, uint16_t *y, int ldy,
-                   int nv) {
-    int nblk = K / QB, ldd = ldq / QB, per = group / QB;
-    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 acc[MB], s8 = _mm256_setzero_ps();
-    for (int j = 0; j < MB; j++) acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nblk; b++) {
-        const uint8_t *wb = w + (size_t)b * 128;
-        _mm_prefetch((const char *)wb + 8 * PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)wb + 8 * PREFETCH + 64, _MM_HINT_T0);
-        if (b % per == 0) {
-            __m128i h = _mm_loadu_si128((const __m128i *)(s + (size_t)(b / per) * 8));
-            s8 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        }
-        __m256i lo[4], hi[4];
-        for (int v = 0; v < 4; v++) {
-            __m256i u = _mm256_loadu_si256((const __m256i *)(wb + 32 * v));
-            lo[v] = _mm256_and_si256(u, m4);
-            hi[v] = _mm256_and_si256(_mm256_srli_epi16(u, 4), m4);
-        }
-        for (int j = 0; j < mb; j++) {
-            const int8_t *xb = xq + (size_t)j * ldq + b * QB;
-            __m256i a = _mm256_setzero_si256();
-            for (int v = 0; v < 4; v++) {
-                int32_t xl, xh; /* inputs 4v..4v+3 and 16+4v..16+4v+3, in every lane */
-                memcpy(&xl, xb + 4 * v, 4);
-                memcpy(&xh, xb + 16 + 4 * v, 4);
-#ifdef RLT_A8_VNNI /* int32 lanes throughout: the same exact sums */
-                a = _mm256_dpbusd_epi32(a, lo[v], _mm256_set1_epi32(xl));
-                a = _mm256_dpbusd_epi32(a, hi[v], _mm256_set1_epi32(xh));
-#else
-                a = _mm256_add_epi16(a, _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(xl)),
-                    _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(xh))));
-#endif
-            }
-#ifdef RLT_A8_VNNI
-            __m256i h = a;
-            (void)ones;
-#else
-            __m256i h = _mm256_madd_epi16(a, ones);
-#endif
-            h = _mm256_sub_epi32(h, _mm256_set1_epi32(sx8[(size_t)j * ldd + b]));
-            __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[(size_t)j * ldd + b]), s8);
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), c, acc[j]);
-        }
-    }
-    for (int j = 0; j < mb; j++) {
-        float o[8];
-        _mm256_storeu_ps(o, acc[j]);
-        for (int t = 0; t < nv; t++) y[(size_t)j * ldy + t] = f32_to_bf16(o[t]);
-    }
-}
-
-#ifdef RLT_A8_VNNI
-/* R octets far apart in one pass (the VNNI build, whose 32 vector registers hold their
- * accumulators): R weight streams a thread instead of one, block b of each in turn. Each
- * octet's lanes do exactly what octet4's do, in the same order: the same bits. Decode (one
+/* R octets far apart in one pass (R > 1: the VNNI build, whose 32 vector registers hold
+ * their accumulators): R weight streams a thread instead of one, block b of each in turn,
+ * each octet's lanes doing what they do alone (octet4: R = 1), in the same order: the same
+ * bits. Decode (one
  * register block of input rows) reads OCTET_STREAMS octets at once: over 24 layers of
  * ouro-1.4b-shape (2.77 GB a token, not cache-resident, 2 threads) 151-181 ms (median 156)
  * against 164-184 ms (median 175) with two (AVX-512 Xeon, load 1.5-1.8); more input rows keep
@@ -511,12 +427,21 @@ INLINE void octet4_multi(const int8_t *xq, const int32_t *sx8, const float *d, i
                 const int8_t *xb = xq + (size_t)j * ldq + b * QB;
                 __m256i a = _mm256_setzero_si256();
                 for (int v = 0; v < 4; v++) {
-                    int32_t xl, xh;
+                    int32_t xl, xh; /* inputs 4v..4v+3 and 16+4v..16+4v+3, in every lane */
                     memcpy(&xl, xb + 4 * v, 4);
                     memcpy(&xh, xb + 16 + 4 * v, 4);
+#ifdef RLT_A8_VNNI /* int32 lanes throughout: the same exact sums */
                     a = _mm256_dpbusd_epi32(a, lo[v], _mm256_set1_epi32(xl));
                     a = _mm256_dpbusd_epi32(a, hi[v], _mm256_set1_epi32(xh));
+#else
+                    a = _mm256_add_epi16(a, _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo[v], _mm256_set1_epi32(xl)),
+                        _mm256_maddubs_epi16(hi[v], _mm256_set1_epi32(xh))));
+#endif
                 }
+#ifndef RLT_A8_VNNI
+                a = _mm256_madd_epi16(a, _mm256_set1_epi16(1));
+#endif
                 __m256i h = _mm256_sub_epi32(a, _mm256_set1_epi32(sx8[(size_t)j * ldd + b]));
                 __m256 c = _mm256_mul_ps(_mm256_set1_ps(d[(size_t)j * ldd + b]), sc[q]);
                 acc[q][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), c, acc[q][j]);
@@ -530,7 +455,16 @@ INLINE void octet4_multi(const int8_t *xq, const int32_t *sx8, const float *d, i
             for (int t = 0; t < nvs[q]; t++) ys[q][(size_t)j * ldy + t] = f32_to_bf16(o[t]);
         }
 }
-#endif
+INLINE void octet4(const int8_t *xq, const int32_t *sx8, const float *d, int ldq, int mb,
+                   const uint8_t *w, const uint16_t *s, int K, int group, uint16_t *y, int ldy,
+                   int nv) {
+    const uint8_t *ws[1] = {w};
+    const uint16_t *ss[1] = {s};
+    uint16_t *ys[1] = {y};
+    const int nvs[1] = {nv};
+    octet4_multi(xq, sx8, d, ldq, mb, ws, ss, ys, nvs, K, group, ldy, 1);
+}
+
 
 int A8(rlt_linear_int4_a8)(const uint16_t *x, const uint8_t *w8, const uint16_t *s8,
                              uint16_t *y, int M, int N, int K, int group) {
