@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from runtime_glue.engine import core, kv_placement
-from runtime_glue.engine.core import Engine
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
+from runtime_glue.ouro.model import OuroModel
 from tests.conftest import PARITY_CONFIGS
 from tests.helpers import prompt_of
 from tests.test_speculative import GQA, assert_same, greedy, jobs_of, run
@@ -185,22 +185,37 @@ def test_a_planted_missing_fill_of_the_skipped_planes_is_caught(gqa, monkeypatch
 
 
 def test_a_planted_stale_carried_state_is_caught(gqa, monkeypatch):
-    """The double the tests above stand on: a token that goes on from its previous loop's
-    state (the carried state not updated) must not pass as plain decoding."""
+    """The double the tests above stand on: a token that goes on from a stale state (rows past
+    loop 0 not written to the store, so the next loop reads an older one) must not pass as
+    plain decoding."""
     plain, depth = _pair(gqa, "cpu")
     jobs = jobs_of(plain)
     want = run(plain, jobs)
-    real = Engine._carry
+    real = OuroModel._depth_pass
 
-    def stale(req, d, sampled):
-        before = None if req.depth is None else req.depth.states[-1]
-        real(req, d, sampled)
-        if before is not None:
-            req.depth.states[-1] = before
+    def stale(self, x, rows, step):
+        before = rows.states.clone()
+        kept = real(self, x, rows, step)
+        past = rows.loops > 0
+        at = (rows.slots[past], rows.loops[past])
+        rows.states.index_put_(at, before[at])
+        return kept
 
-    monkeypatch.setattr(Engine, "_carry", staticmethod(stale))
+    monkeypatch.setattr(OuroModel, "_depth_pass", stale)
     with pytest.raises(AssertionError, match="request 0"):
         assert_same(run(depth, jobs), want)
+
+
+def test_every_token_frees_its_state_slot(tiny_ckpt):
+    """A slot of the store is held while its token is in flight: after a run with more
+    requests than slots (finished, preempted or not), none is held and every slot was used
+    by several tokens."""
+    _, depth = _pair(tiny_ckpt, "cpu", max_num_seqs=2)
+    jobs = [(prompt_of(5 + i, seed=i), greedy(4)) for i in range(5)]
+    run(depth, jobs)
+    store = depth.engine.builder.depth
+    assert store is not None and store.held() == 0
+    assert depth.engine.stats["depth_rows"] == depth.config.total_ut_steps * 3 * len(jobs)
 
 
 def test_metrics_count_the_loops_run_depth_wise(gqa):

@@ -52,8 +52,8 @@ def test_speculative_steps_replayed_from_graphs_equal_the_same_steps_run_eagerly
     replayed = _run(llm, requests)
     _assert_same(eager, replayed)
     shapes = _shapes(llm)
-    assert any(draft for _, draft, _ in shapes), f"no draft step was captured: {shapes}"
-    assert any(verify for _, _, verify in shapes), f"no verify step was captured: {shapes}"
+    assert any(draft for _, draft, _, _ in shapes), f"no draft step was captured: {shapes}"
+    assert any(verify for _, _, verify, _ in shapes), f"no verify step was captured: {shapes}"
     assert llm.engine.graphs.stats["graph_steps"] > 0
 
 
@@ -117,6 +117,7 @@ def test_each_refused_pair_is_refused_with_its_reason(refused):
         dict(depth_batching=True, mode="fast"),
         dict(depth_batching=True, adaptive_depth=True),
         dict(depth_batching=True, kv_sharing="last"),
+        dict(depth_batching=True, step_graphs=True),
     ],
 )
 def test_the_pairs_that_combine_are_not_refused(options):
@@ -129,7 +130,6 @@ def test_only_the_declared_pairs_are_refused():
         ("speculative_loops", "adaptive_depth"),
         ("step_graphs", "adaptive_depth"),
         ("speculative_loops", "depth_batching"),
-        ("step_graphs", "depth_batching"),
         ("num_blocks", "kv_cache_memory"),
         ("mode", "quantize_activations"),  # hf-exact with per-token activations
         ("deterministic", "quantize_activations"),  # --no-deterministic, its alias

@@ -102,11 +102,14 @@ def host_calls_per_decode_step(
 
 def host_calls_by_kind(llm: LLM, input_len: int = 16) -> dict[str, int]:
     """Host calls of each kind of decode step one request runs: ``decode`` (plain), or, with
-    speculation, ``draft`` and ``verify`` (most over two rounds); each step that was
-    replayed, not run eagerly, counted once it is past its capture."""
+    speculation, ``draft`` and ``verify`` (most over two rounds), or under depth-wise batching
+    ``depth`` (most over two tokens); each step that was replayed, not run eagerly, counted
+    once it is past its capture."""
     engine = llm.engine
     spec = llm.speculative
     rounds = 1 if spec is None else spec.tokens + 2  # steps of one round of drafts
+    if engine.config.depth_batching:
+        rounds = llm.config.total_ut_steps  # steps of one token
     _decode_ready(llm, 1, input_len, 6 * rounds + 2)
     kinds: dict[str, list[int]] = {}
     real_build = engine.builder.build
@@ -115,7 +118,8 @@ def host_calls_by_kind(llm: LLM, input_len: int = 16) -> dict[str, int]:
     def build(plan):
         host = real_build(plan)
         g = host.groups
-        seen.append("verify" if g["verify"] else "draft" if g["draft"] else "decode")
+        kind = "depth" if g["depth"] else "verify" if g["verify"] else "draft"
+        seen.append(kind if g["depth"] + g["verify"] + g["draft"] else "decode")
         return host
 
     engine.builder.build = build  # type: ignore[method-assign]

@@ -149,11 +149,6 @@ REFUSED = (
         "depth row from the state its own last step kept: one step cannot lay out both yet",
     ),
     (
-        "step_graphs", True, "depth_batching", True,
-        "a captured step samples every row and carries no state between steps; a depth row "
-        "is sampled only at its last loop and carries its state",
-    ),
-    (
         "num_blocks", SET, "kv_cache_memory", SET,
         "both size the KV pool; give one",
     ),

@@ -32,6 +32,7 @@ import attrs
 
 from hal.graphs import StepGraphs
 from hal.interfaces import Device
+from runtime_glue.engine.depth_store import DepthStore
 from runtime_glue.engine.detokenizer import IncrementalDetokenizer
 from runtime_glue.engine.graphs import Replayed, StepGraphRunner, group_limits
 from runtime_glue.engine.kv_manager import BlockAllocator
@@ -43,7 +44,7 @@ from runtime_glue.engine.reasoning import (
     ReasoningParser,
     ThinkingTags,
 )
-from runtime_glue.engine.request import DepthToken, Request, RequestUpdate, Status
+from runtime_glue.engine.request import Request, RequestUpdate, Status
 from runtime_glue.engine.sampler import Sampled, Sampler
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.engine.scheduler import EngineConfig, Scheduler
@@ -113,7 +114,11 @@ class Engine:
         self.scheduler = Scheduler(config, allocator, self.kv, self.speculator, self.stats)
         self.scheduler.device = device.torch_device
         early = None if speculative is None else speculative.loops
-        self.builder = StepBuilder(model.cfg, self.kv, early)
+        depth = None
+        if config.depth_batching:
+            depth = DepthStore(config.max_num_seqs, cfg.total_ut_steps, cfg.hidden_size,
+                               model.embed.dtype, device.torch_device)  # fmt: skip
+        self.builder = StepBuilder(model.cfg, self.kv, early, depth)
         self.graphs: StepGraphRunner | None = None
         self.graph_admission: Admission | None = None  # the graphs' check on this device
         if step_graphs is not None:
@@ -136,7 +141,9 @@ class Engine:
 
     def _start_graphs(self, graphs: StepGraphs, speculative: SpeculativeConfig | None) -> None:
         limits = group_limits(
-            self.config.max_num_seqs, None if speculative is None else speculative.tokens
+            self.config.max_num_seqs,
+            None if speculative is None else speculative.tokens,
+            self.config.depth_batching,
         )
         runner = StepGraphRunner(
             graphs, self.model, self.device, self.allocator, self.builder, limits,
@@ -359,11 +366,11 @@ class Engine:
         self.num_steps += 1
         self.stats["depth_rows"] += len(host.depth_rows)
         outputs = []
-        for s, mine, d in zip(plan, host.rows_of, host.depth_of, strict=True):
+        for s, mine in zip(plan, host.rows_of, strict=True):
             s.req.last_fence = fence
             if s.loop is not None and not s.finishing:
                 if not (s.may_exit and sampled.exit_steps[mine[0]] == s.loop):
-                    self._carry(s.req, d, sampled)  # its token goes on to the next loop
+                    self._carry(s.req)  # its token goes on to the next loop
                     continue
                 self._left_after(s.req, s.loop)
             rows = self._apply(s, mine, sampled, fence, host)
@@ -396,15 +403,11 @@ class Engine:
         return Replayed(out=out, picks=None, packed=None)
 
     @staticmethod
-    def _carry(req: Request, d: int | None, sampled: Sampled) -> None:
-        """A depth row's loop ran (not its last): its state and gate are kept for the next."""
-        assert d is not None and sampled.carried is not None
-        token = req.depth if req.depth is not None else DepthToken()
-        token.states.append(sampled.carried[d])
-        if sampled.carried_gates is not None:
-            token.gates.append(sampled.carried_gates[d])
-        token.loop += 1
-        req.depth = token
+    def _carry(req: Request) -> None:
+        """A depth row's loop ran (not its last): its token goes on to the next loop (its state
+        and gate are in the store, where the step wrote them)."""
+        assert req.depth is not None
+        req.depth.loop += 1
 
     def _left_after(self, req: Request, loop: int) -> None:
         """A depth row's token leaves after ``loop`` (its exit rule reached there): the planes

@@ -2,10 +2,16 @@
 device buffers a graph reads, the step they hold as ``OuroModel.forward`` takes it, and
 :func:`stage`, which lays a built step (``HostStep``) out in them.
 
-One int64 buffer holds every row field, each table's slots and block tables, so one copy from a
-(pinned) host staging buffer fills it; the verify rows' kept states take another. Padding rows
-of each group read and write scratch pages only; a real row's table entries past its context
+One int64 buffer holds every row field, each table's slots and block tables (and a depth-wise
+step's sampled rows), so one copy from a (pinned) host staging buffer fills it; the verify rows'
+kept states take another. Padding rows of each group read and write scratch pages only (a
+depth row's state, the store's scratch slot); a real row's table entries past its context
 repeat its first page (masked).
+
+A depth-wise step (``--depth-batching``) is its own shape: its rows, padded, each at its own
+loop (a row field), and the rows it samples (only those at their last loop), padded: one graph
+per row count and sample count whatever the loops. Its tokens' states stay in the store
+(``runtime_glue.engine.depth_store``), which the graph reads and writes in place.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ from runtime_glue.engine.spans import step_layout
 from runtime_glue.engine.step import HostStep
 from runtime_glue.ouro.exits import ExitRule
 from runtime_glue.ouro.model import OuroModel
-from runtime_glue.ouro.records import Kept, Span, StepInputs
+from runtime_glue.ouro.records import DepthRows, Kept, Span, StepInputs
 
-GROUPS = ("generated", "draft", "verify")
-ROW_FIELDS = ("ids", "positions", "seq_lens", "exit_step", "use_threshold", "threshold")
+GROUPS = ("generated", "draft", "verify", "depth")
+ROW_FIELDS = (
+    "ids", "positions", "seq_lens", "exit_step", "use_threshold", "threshold", "slot", "loop"
+)  # fmt: skip
 
 
 def sizes_up_to(mode: str, most: int) -> tuple[int, ...]:
@@ -37,10 +45,12 @@ def sizes_up_to(mode: str, most: int) -> tuple[int, ...]:
 
 @attrs.frozen
 class Shape:
-    """A captured shape: rows per group (padded) and the context bucket in blocks."""
+    """A captured shape: rows per group (padded), the context bucket in blocks and, for a
+    depth-wise step, its sampled rows (padded; None: every row is sampled)."""
 
-    rows: tuple[int, int, int]  # generated, draft, verify
+    rows: tuple[int, int, int, int]  # generated, draft, verify, depth
     blocks: int
+    samples: int | None = None
 
     @property
     def total(self) -> int:
@@ -51,24 +61,27 @@ class StaticBuffers:
     """The static inputs of one shape: views of one int64 device buffer that one copy fills
     from a (pinned) host staging buffer, and the verify rows' kept states."""
 
-    def __init__(self, shape: Shape, tables: int, model: OuroModel, device, pin: bool, early):
-        B, W = shape.total, shape.blocks
-        self.shape, self.tables = shape, tables
-        size = len(ROW_FIELDS) * B + tables * B + tables * B * W
+    def __init__(
+        self, shape: Shape, tables: int, model: OuroModel, device, pin: bool, early, store
+    ):
+        B, W, S = shape.total, shape.blocks, shape.samples or 0
+        self.shape, self.tables, self.store = shape, tables, store
+        size = len(ROW_FIELDS) * B + tables * B + tables * B * W + S
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.device = torch.zeros(size, dtype=torch.int64, device=device)
         self.pin = pin
         self.view = {n: self.device[i * B : (i + 1) * B] for i, n in enumerate(ROW_FIELDS)}
         at = len(ROW_FIELDS) * B
         self.slots = self.device[at : at + tables * B].view(tables, B)
-        self.block_tables = self.device[at + tables * B :].view(tables, B, W)
-        g, d, v = shape.rows
+        self.block_tables = self.device[at + tables * B : size - S].view(tables, B, W)
+        self.samples = self.device[size - S :]  # a depth-wise step's sampled rows
+        g, d, v, _ = shape.rows
         E, H = early or 1, model.cfg.hidden_size
         self.kept_states = torch.zeros(v, E, H, dtype=model.embed.dtype, device=device)
         self.kept_gates = torch.zeros(v, E, dtype=model.embed.dtype, device=device)
         self.no_gates = torch.zeros(E, dtype=model.embed.dtype, device=device)  # kept none
         groups = {"prompt": 0, "generated": g, "draft": d, "verify": v}
-        rows = range(B)  # every row of a captured step is sampled, each its own entry
+        rows = range(B)  # every row of a plain captured step is sampled, each its own entry
         self.layout = step_layout(groups, groups, rows, model.cfg.total_ut_steps, early)
 
         def index(values) -> torch.Tensor:
@@ -109,10 +122,12 @@ def static_inputs(model: OuroModel, buf: StaticBuffers, early: int | None) -> St
         return KVAddressing(cfg.num_hidden_layers, num_slots, tuple(metas))
 
     B = buf.shape.total
+    whole = kv_of(None)
+    if buf.shape.samples is not None:
+        return _depth_inputs(buf, whole)
     rule = ExitRule(
         step=v["exit_step"], use_threshold=v["use_threshold"], threshold=v["threshold"], gated=True
     )
-    whole = kv_of(None)
     spans = tuple(
         Span(
             loops=s.loops,
@@ -145,14 +160,60 @@ def static_inputs(model: OuroModel, buf: StaticBuffers, early: int | None) -> St
     )
 
 
+def _depth_inputs(buf: StaticBuffers, whole: KVAddressing) -> StepInputs:
+    """A depth-wise step's static inputs: every row one pass over the layers at its own loop
+    (its addressing shifted there), the sampled rows' exit rules and states by the rows the
+    buffer names (``OuroModel._depth_pass``)."""
+    v, samples = buf.view, buf.samples
+    S = samples.shape[0]
+    every = buf.sample_rows
+    rule = ExitRule(
+        step=v["exit_step"].index_select(0, samples),
+        use_threshold=v["use_threshold"].index_select(0, samples),
+        threshold=v["threshold"].index_select(0, samples),
+        gated=True,
+    )
+    none = every[:0]
+    span = Span(loops=range(1), rows=every, kv=whole, samples=none, sample_at=none,
+                prompt_rows=0, whole=True)  # fmt: skip
+    depth = DepthRows(
+        rows=every,
+        slots=v["slot"],
+        loops=v["loop"],
+        states=buf.store.states,
+        gates=buf.store.gates,
+        kept_rows=samples,
+        kept_samples=every[:S],
+        kept_slots=v["slot"].index_select(0, samples),
+        kept_loops=v["loop"].index_select(0, samples),
+    )
+    return StepInputs(
+        input_ids=v["ids"],
+        positions=v["positions"],
+        kv=whole,
+        sample_rows=samples,
+        prompt_rows=0,
+        prompt_samples=0,
+        max_position=0,
+        exits=rule,
+        host_sample_rows=tuple(range(S)),
+        spans=(span,),
+        depth=depth,
+    )
+
+
 def stage(
     host: HostStep, shape: Shape, scratch: list[int], block_size: int
 ) -> tuple[list[int], list[int]]:
     """The static buffer's contents for this step (padding rows in each group read and
-    write the ``scratch`` pages only), and where the step's real rows sit among the padded."""
+    write the ``scratch`` pages only), and where the step's real sampled rows sit among the
+    padded ones (a depth-wise step's: among its padded samples)."""
     W = shape.blocks
     metas = host.kv.loops
     rule = host.exit_columns()
+    sampled = {row: r for r, row in enumerate(host.sample_rows)}
+    store = host.depth_store
+    scratch_slot = store.scratch if store is not None else 0
     cols: dict[str, list[int]] = {n: [] for n in ROW_FIELDS}
     slots: list[list[int]] = [[] for _ in metas]
     tables: list[list[int]] = [[] for _ in metas]
@@ -160,12 +221,22 @@ def stage(
     start, padded = 0, 0
     host_slots = [meta.slot_mapping.tolist() for meta in metas]  # host tensors, read once
     host_tables = [meta.block_tables.tolist() for meta in metas]
+    depth = {
+        row: (host.depth_slots[d], host.depth_loops[d]) for d, row in enumerate(host.depth_rows)
+    }
+    last = host.loops - 1
     for group, size in zip(GROUPS, shape.rows, strict=True):
         n = host.groups[group]
         for i in range(start, start + n):
             real.append(padded + i - start)
-            _row(cols, host, rule, i)
-            used = -(-(host.positions[i] + 1) // block_size)
+            r = sampled.get(i)  # a depth row is sampled only at its last loop
+            exit_rule = (last, 0, 0) if r is None else (rule[0][r], rule[1][r], rule[2][r])
+            slot, loop = depth.get(i, (scratch_slot, 0))
+            p = host.positions[i]
+            for name, value in zip(ROW_FIELDS, (host.ids[i], p, p + 1, *exit_rule, slot, loop),
+                                   strict=True):  # fmt: skip
+                cols[name].append(value)
+            used = -(-(p + 1) // block_size)
             for t in range(len(metas)):
                 slots[t].append(host_slots[t][i])
                 row = host_tables[t][i][:used]
@@ -173,9 +244,8 @@ def stage(
         for j in range(size - n):  # padding rows: scratch pages only
             pad = padded + n + j
             page = scratch[pad // block_size]
-            for name, value in zip(ROW_FIELDS, (0, pad % block_size,
-                                   pad % block_size + 1, host.loops - 1, 0, 0),
-                                   strict=True):  # fmt: skip
+            for name, value in zip(ROW_FIELDS, (0, pad % block_size, pad % block_size + 1,
+                                   last, 0, 0, scratch_slot, 0), strict=True):  # fmt: skip
                 cols[name].append(value)
             for t in range(len(metas)):
                 slots[t].append(page * block_size + pad % block_size)
@@ -184,17 +254,9 @@ def stage(
         padded += size
     check_slot_mapping(slots[0], None)
     flat = [x for n in ROW_FIELDS for x in cols[n]]
-    return flat + [x for s in slots for x in s] + [x for t in tables for x in t], real
-
-
-def _row(cols: dict[str, list[int]], host: HostStep, rule, i: int) -> None:
-    r = host.sample_rows.index(i)  # every row of a decode-only step is sampled
-    for name, value in (
-        ("ids", host.ids[i]),
-        ("positions", host.positions[i]),
-        ("seq_lens", host.positions[i] + 1),
-        ("exit_step", rule[0][r]),
-        ("use_threshold", rule[1][r]),
-        ("threshold", rule[2][r]),
-    ):
-        cols[name].append(value)
+    flat += [x for s in slots for x in s] + [x for t in tables for x in t]
+    if shape.samples is None:  # every row sampled: the real ones among the padded
+        return flat, real
+    # A depth-wise step's rows lead (its only group); padding samples repeat its last row.
+    samples = list(host.sample_rows)
+    return flat + samples + [padded - 1] * (shape.samples - len(samples)), list(range(len(samples)))

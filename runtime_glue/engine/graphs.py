@@ -3,10 +3,12 @@
 What is captured: ``OuroModel.forward`` itself (and the read-back forms of its logits) over a
 *decode-only* step, whose every attention entry is one row: plain decoding, speculative
 draft steps and verify steps (a verify request's rows are one-row entries,
-``runtime_glue.engine.step``), every exit rule but weighted exits, under any plan and with
-kv sharing (one table per loop). One graph per shape: the rows of each group (generated,
-draft, verify), padded, and a context bucket (a power of two of KV blocks). Steps with prompt
-rows, weighted exits and shapes past the largest bucket run eagerly.
+``runtime_glue.engine.step``), depth-wise steps (``--depth-batching``: each row one loop of its
+token, at whichever loop; its state in the store the graph reads and writes in place), every
+exit rule but weighted exits, under any plan and with kv sharing (one table per loop). One
+graph per shape: the rows of each group (generated, draft, verify, depth), padded, a depth-wise
+step's sampled rows, padded, and a context bucket (a power of two of KV blocks). Steps with
+prompt rows, weighted exits and shapes past the largest bucket run eagerly.
 
 Per step the engine builds the step once (``StepBuilder``), writes its values into the
 shape's host staging buffer (the layout: ``runtime_glue.engine.graph_buffers``), copies them
@@ -58,14 +60,19 @@ from runtime_glue.ouro.plan import Admission
 logger = logging.getLogger(__name__)
 
 
-def group_limits(max_num_seqs: int, spec_tokens: int | None) -> tuple[int, int, int]:
-    """The most rows of each group (generated, draft, verify) a step can hold."""
+def group_limits(
+    max_num_seqs: int, spec_tokens: int | None, depth: bool = False
+) -> tuple[int, int, int, int]:
+    """The most rows of each group (generated, draft, verify, depth) a step can hold (under
+    depth-wise batching every generated row is a depth row)."""
+    if depth:
+        return (0, 0, 0, max_num_seqs)
     if spec_tokens is None:
-        return (max_num_seqs, 0, 0)
-    return (max_num_seqs, max_num_seqs, max_num_seqs * (spec_tokens + 1))
+        return (max_num_seqs, 0, 0, 0)
+    return (max_num_seqs, max_num_seqs, max_num_seqs * (spec_tokens + 1), 0)
 
 
-def scratch_blocks(limits: tuple[int, int, int], block_size: int) -> int:
+def scratch_blocks(limits: tuple[int, ...], block_size: int) -> int:
     """The KV blocks the padding rows of steps up to ``limits`` write to."""
     return -(-max(1, sum(limits) - 1) // block_size)
 
@@ -102,11 +109,11 @@ class StepGraphRunner:
         device: Device,
         allocator: BlockAllocator,
         builder: StepBuilder,
-        limits: tuple[int, int, int],
+        limits: tuple[int, int, int, int],
         max_model_len: int,
     ) -> None:
         """``limits``: the most rows of each group a step can hold (generated, draft,
-        verify)."""
+        verify, depth)."""
         self.graphs, self.model, self.device, self.builder = graphs, model, device, builder
         self.block_size = bs = allocator.block_size
         self.sizes = tuple(sizes_up_to(model.plan.mode, most) for most in limits)
@@ -137,6 +144,9 @@ class StepGraphRunner:
             return None
         if any(m.kind == "weighted" for m in host.modes):
             return None
+        depth = host.groups["depth"]
+        if depth and depth != host.num_rows:  # depth rows beside others: eagerly
+            return None
         rows = []
         for group, sizes in zip(GROUPS, self.sizes, strict=True):
             n = host.groups[group]
@@ -148,7 +158,10 @@ class StepGraphRunner:
         blocks = context_bucket(max(-(-(c + 1) // self.block_size) for c in meta.host_context_lens))
         if blocks > self.buckets[-1]:
             return None
-        return Shape((rows[0], rows[1], rows[2]), blocks)
+        samples = None
+        if depth:  # its sampled rows, padded as its rows are
+            samples = next(s for s in self.sizes[3] if s >= len(host.sample_rows))
+        return Shape((rows[0], rows[1], rows[2], rows[3]), blocks, samples)
 
     def run(self, host: HostStep) -> Replayed | None:
         """Replay the step's graph (real sampled rows only), or None: run it eagerly."""
@@ -171,13 +184,15 @@ class StepGraphRunner:
     def _capture(self, shape: Shape, values: list[int], host: HostStep | None):
         tables = self.builder.kv.tables
         buf = StaticBuffers(shape, tables, self.model, self.device.torch_device,
-                            self.device.pin_memory, self.builder.early)  # fmt: skip
+                            self.device.pin_memory, self.builder.early,
+                            self.builder.depth)  # fmt: skip
         buf.load(values, host)
         early = self.builder.early if shape.rows[1] + shape.rows[2] else None
 
         def step():  # plain tensors: what a graph's outputs are (an emulated one too)
             out = self.model.forward(static_inputs(self.model, buf, early))
-            assert out.gates is not None  # a graph always computes them (any row may need them)
+            # A graph always computes them (any row may need them), unless it samples none.
+            assert out.gates is not None or shape.samples == 0
             return out.logits, out.chosen, out.states, out.gates, picks_of(out), packed_of(out)
 
         graph, outputs = self.graphs.capture(step)
@@ -191,10 +206,12 @@ class StepGraphRunner:
         and compare with the same step run eagerly: admitted iff bit for bit equal."""
         bs, model = self.block_size, self.model
         offsets = [o for o in range(len(self.scratch) * bs) if o % bs]  # position 0: a prompt's
-        rows = max(s for s in self.sizes[0] if s <= len(offsets))
+        store = self.builder.depth
+        rows = max(s for s in self.sizes[0 if store is None else 3] if s <= len(offsets))
         gen = torch.Generator().manual_seed(rows)
-        vocab, last = model.cfg.vocab_size, model.cfg.total_ut_steps - 1
-        modes = [ExitMode(), ExitMode(step=min(1, last)), ExitMode(threshold=0.5), ExitMode()]
+        vocab, T = model.cfg.vocab_size, model.cfg.total_ut_steps
+        modes = [ExitMode(), ExitMode(step=min(1, T - 1)), ExitMode(threshold=0.5), ExitMode()]
+        made: list[Request] = []
 
         def synthetic(permute: bool) -> HostStep:
             ids = torch.randint(0, vocab, (rows,), generator=gen).tolist()
@@ -203,16 +220,25 @@ class StepGraphRunner:
             for j in range(rows):
                 mode = modes[j % len(modes)] if permute else ExitMode()
                 req = _decode_row(ids[j], at[j] % bs, self.scratch[at[j] // bs], mode)
-                plan.append(Scheduled(req=req, n=1))
+                made.append(req)
+                if store is None:
+                    plan.append(Scheduled(req=req, n=1))
+                    continue
+                loop = (rows - 1 - j if permute else j) % T  # the same loops in another order
+                store.token(req).loop = loop  # a token at every loop, each its own slot
+                plan.append(Scheduled(req=req, n=1, loop=loop, finishing=loop == T - 1))
             return self.builder.build(plan)
 
-        label = f"at {rows} row(s) x 1 block"
+        label = f"at {rows} {'depth-wise ' if store else ''}row(s) x 1 block"
         try:
             with torch.inference_mode():
                 first = synthetic(False)
-                shape = Shape((rows, 0, 0), 1)
+                shape = self.shape_for(first)
+                assert shape is not None
                 values, real = stage(first, shape, self.scratch, self.block_size)
                 self._capture(shape, values, first)
+                for req in made:
+                    req.depth = None  # (their slots go to the trial's rows)
                 trial = synthetic(True)
                 eager = model.forward(trial.inputs(self.device.torch_device))
                 replay = self.run(trial)
@@ -222,6 +248,9 @@ class StepGraphRunner:
             self._graphs.clear()
             return Admission("step_graphs", self.label, False,
                              f"{label}: cannot capture or replay here: {type(exc).__name__}: {exc}")  # fmt: skip
+        finally:
+            for req in made:
+                req.depth = None  # their store slots are free again
         self.stats = {"graph_steps": 0, "eager_steps": 0, "captures": len(self._graphs)}
         same_logits = torch.equal(replayed[0], eager.logits)
         same_exits = torch.equal(replayed[1].to(eager.chosen.dtype), eager.chosen)

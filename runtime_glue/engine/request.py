@@ -34,11 +34,11 @@ class SpecRound:
 @attrs.define(eq=False)
 class DepthToken:
     """A token part-way through its loops under depth-wise batching (``--depth-batching``):
-    the loop its next step runs, and the state (and gate) after each loop already run."""
+    the loop its next step runs, and its slot in the engine's ``DepthStore``, where the state
+    (and gate) after each loop already run lie, on the device."""
 
+    slot: int
     loop: int = 0
-    states: list[torch.Tensor] = attrs.field(factory=list)  # [H] each, on the device
-    gates: list[torch.Tensor] = attrs.field(factory=list)  # [] each, when gated
 
 
 @attrs.define(eq=False)

@@ -34,8 +34,6 @@ class Sampled:
     logits: torch.Tensor | None  # [R, V] float32 on the host, as read back (raw)
     states: torch.Tensor  # [T, R, H]
     gates: torch.Tensor | None
-    carried: torch.Tensor | None = None  # [D, H]: each depth row's state after its loop
-    carried_gates: torch.Tensor | None = None  # [D]
 
 
 def needs_logits(req: Request) -> bool:
@@ -59,16 +57,15 @@ class Sampler:
         """The step's tokens and exit loops, with its one device-to-host transfer."""
         out, reqs = result.out, host.sampled
         states, gates = out.states, out.gates
-        carried = {"carried": out.carried, "carried_gates": out.carried_gates}
         if not reqs:  # depth rows only, none at its last loop: nothing to read back
-            return Sampled([], [], None, states, gates, **carried)
+            return Sampled([], [], None, states, gates)
         if host.groups["draft"] and host.early is not None:  # what draft rows keep, before a
             states = states[: host.early].clone()  # replay overwrites it
             gates = None if gates is None else gates[: host.early].clone()
         if not force_logits and not any(needs_logits(r) for r in reqs):
             picks = result.picks if result.picks is not None else picks_of(out)
             both = self.device.to_host(picks).tolist()
-            return Sampled(both[0], both[1], None, states, gates, **carried)
+            return Sampled(both[0], both[1], None, states, gates)
         packed = result.packed if result.packed is not None else packed_of(out)
         packed = self.device.to_host(packed)
         logits, steps = packed[:, :-1], [int(s) for s in packed[:, -1].tolist()]
@@ -76,7 +73,7 @@ class Sampler:
         tokens = [
             self.choose(logits[i], r, host.drafted[i], positions[i]) for i, r in enumerate(reqs)
         ]
-        return Sampled(tokens, steps, logits, states, gates, **carried)
+        return Sampled(tokens, steps, logits, states, gates)
 
     def choose(self, logits: torch.Tensor, req: Request, drafted: Sequence[int], position: int):
         """``req``'s token at ``position`` from one row of raw logits: the stage with the

@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from hal.types import KVAddressing
+from runtime_glue.engine.depth_store import DepthStore
 from runtime_glue.engine.kv_placement import KVPlacement
 from runtime_glue.engine.request import Request
 from runtime_glue.engine.spans import StepLayout, step_layout
@@ -91,12 +92,10 @@ class HostStep:
     kept_states: list[torch.Tensor]  # [E, H] per verify row (device)
     kept_gates: list[torch.Tensor | None]
     drafted: list[tuple[int, ...]]  # per sampled row: its round's drafts before its position
-    depth_rows: list[int] = attrs.field(factory=list)  # depth rows (their carried states' order)
-    entering: list[int] = attrs.field(factory=list)  # depth rows past loop 0 ...
-    entering_states: list[torch.Tensor] = attrs.field(factory=list)  # ... and their states
-    depth_of: list[int | None] = attrs.field(factory=list)  # per plan entry: its depth row
-    kept_loops: list[int] = attrs.field(factory=list)  # per kept depth row: the loop it runs
-    hidden: int = 0  # the state's width (to pad kept depth rows' states)
+    depth_rows: list[int] = attrs.field(factory=list)  # depth rows (step rows), ascending ...
+    depth_slots: list[int] = attrs.field(factory=list)  # ... their tokens' store slots ...
+    depth_loops: list[int] = attrs.field(factory=list)  # ... and the loop each runs
+    depth_store: DepthStore | None = None
 
     @property
     def num_rows(self) -> int:
@@ -133,8 +132,7 @@ class HostStep:
         """The step on ``device``, moved with one copy: what an eager step runs."""
         layout = step_layout(self.groups, self.entries, self.sample_rows, self.loops, self.early)
         host = [self.ids, self.positions, self.sample_rows, *self.exit_columns()]
-        depth = (self.depth_rows, self.entering, self.kept_loops)
-        kv, moved = self.kv.to(device, *_host_tensors(host, layout, depth), pin=pin)
+        kv, moved = self.kv.to(device, *_host_tensors(host, layout, self._depth_lists()), pin=pin)
         ids, positions, sample_rows, step, use, bits = moved[:6]
         spans = 3 * len(layout.spans)
         weighted = tuple(i for i, m in enumerate(self.modes) if m.kind == "weighted")
@@ -152,17 +150,15 @@ class HostStep:
             host_sample_rows=tuple(self.sample_rows),
             spans=_spans(layout, kv, moved[6:], self.prompt_rows),
             kept=self._kept(moved[6 + spans : 8 + spans]),
-            depth=self._depth(moved[8 + spans : 11 + spans]),
+            depth=self._depth(moved[6 + spans : 13 + spans]),
             modes=tuple(self.modes),
         )
 
     def _kept(self, t: list[torch.Tensor]) -> Kept | None:
-        """The verify rows' (or sampled depth rows') kept states (``t``: their rows and
-        samples, on the device)."""
+        """The verify rows' kept states (``t``: their rows and samples, on the device); a
+        depth step's sampled rows read theirs from the store (:meth:`_depth`)."""
         if not self.kept_states:
             return None
-        if self.depth_rows:  # each its loops so far, then zeros: [V, T, H]
-            return self._depth_kept(t)
         states = torch.stack(self.kept_states)  # [V, E, H]
         gates = None
         if self.gated:
@@ -170,26 +166,26 @@ class HostStep:
             gates = torch.stack([like if g is None else g for g in self.kept_gates])
         return Kept(rows=t[0], samples=t[1], states=states, gates=gates)
 
-    def _depth_kept(self, t: list[torch.Tensor]) -> Kept:
-        """Sampled depth rows: each one's states (gates) of the loops it ran, zeros after, in
-        ``[V, T, H]`` (``[V, T]``): the model puts this pass's in at its loop."""
-        device = t[0].device
-        shape = (len(self.kept_states), self.loops, self.hidden)
-        states = torch.zeros(shape, dtype=torch.bfloat16, device=device)
-        gates = torch.zeros(shape[:2], dtype=torch.bfloat16, device=device)
-        for i, (s, g) in enumerate(zip(self.kept_states, self.kept_gates, strict=True)):
-            if s.shape[0]:
-                states[i, : s.shape[0]] = s
-            if g is not None and g.shape[0]:
-                gates[i, : g.shape[0]] = g
-        return Kept(rows=t[0], samples=t[1], states=states, gates=gates if self.gated else None)
+    def _depth_lists(self) -> tuple[list[int], ...]:
+        """The depth rows, their slots and loops; then the sampled ones' slots and loops (the
+        layout's kept rows, in its order)."""
+        if not self.depth_rows:
+            return ()
+        where = {row: i for i, row in enumerate(self.depth_rows)}
+        kept = [where[row] for row in self.sample_rows if row in where]
+        slots, loops = self.depth_slots, self.depth_loops
+        return (self.depth_rows, slots, loops, [slots[i] for i in kept], [loops[i] for i in kept])
 
     def _depth(self, t: list[torch.Tensor]) -> DepthRows | None:
-        """The depth rows (``t``: them and the entering ones, on the device)."""
+        """The depth rows (``t``: the layout's kept rows and samples, then
+        :meth:`_depth_lists`, on the device)."""
         if not self.depth_rows:
             return None
-        states = torch.stack(self.entering_states) if self.entering_states else None
-        return DepthRows(rows=t[0], entering=t[1], states=states, kept_loops=t[2])
+        store = self.depth_store
+        assert store is not None
+        return DepthRows(rows=t[2], slots=t[3], loops=t[4], states=store.states,
+                         gates=store.gates, kept_rows=t[0], kept_samples=t[1], kept_slots=t[5],
+                         kept_loops=t[6])  # fmt: skip
 
 
 def _host_tensors(
@@ -226,12 +222,11 @@ def _spans(
 class StepBuilder:
     """Builds every step's :class:`HostStep` (``kv``: where each request's K/V lives,
     ``runtime_glue.engine.kv_placement``; ``early``: the draft's loops when speculation is
-    on)."""
+    on; ``depth``: where depth-wise tokens keep their states, under depth-wise batching)."""
 
-    def __init__(self, cfg, kv: KVPlacement, early: int | None):
+    def __init__(self, cfg, kv: KVPlacement, early: int | None, depth: DepthStore | None = None):
         self.layers, self.loops = cfg.num_hidden_layers, cfg.total_ut_steps
-        self.hidden = cfg.hidden_size
-        self.kv, self.early = kv, early
+        self.kv, self.early, self.depth = kv, early, depth
 
     def build(self, plan: list[Scheduled]) -> HostStep:
         ids: list[int] = []
@@ -247,10 +242,8 @@ class StepBuilder:
         kept_gates: list[torch.Tensor | None] = []
         drafted: list[tuple[int, ...]] = []
         depth_rows: list[int] = []
-        entering: list[int] = []
-        entering_states: list[torch.Tensor] = []
-        depth_of: list[int | None] = []
-        kept_loops: list[int] = []
+        depth_slots: list[int] = []
+        depth_loops: list[int] = []
         for s in plan:
             req, ctx, start, spec = s.req, s.ctx, len(ids), s.entry
             ids += req.tokens(ctx, ctx + s.n) if spec is None else list(spec.ids)
@@ -269,21 +262,13 @@ class StepBuilder:
             if spec is not None:
                 kept_states += spec.states
                 kept_gates += spec.gates
-            depth_of.append(len(depth_rows) if s.loop is not None else None)
             if s.loop is not None:
+                assert self.depth is not None, "a depth row needs the engine's DepthStore"
+                token = self.depth.token(req)
+                assert token.loop == s.loop, "scheduled at another loop than its token's"
                 depth_rows.append(start)
-                token = req.depth
-                if s.loop:  # it goes on from the state its last loop left
-                    assert token is not None
-                    entering.append(start)
-                    entering_states.append(token.states[-1])
-                if s.finishing or s.may_exit:  # sampled: the states of its earlier loops kept
-                    states = token.states if token is not None else []
-                    gates = token.gates if token is not None else []
-                    whole = len(gates) == len(states)  # gated at every loop so far
-                    kept_states.append(torch.stack(states) if states else torch.empty(0))
-                    kept_gates.append(torch.stack(gates) if whole and gates else None)
-                    kept_loops.append(s.loop)
+                depth_slots.append(token.slot)
+                depth_loops.append(s.loop)
         speculative = groups["draft"] + groups["verify"] > 0
         return HostStep(
             plan=plan,
@@ -302,11 +287,9 @@ class StepBuilder:
             kept_gates=kept_gates,
             drafted=drafted,
             depth_rows=depth_rows,
-            entering=entering,
-            entering_states=entering_states,
-            depth_of=depth_of,
-            kept_loops=kept_loops,
-            hidden=self.hidden,
+            depth_slots=depth_slots,
+            depth_loops=depth_loops,
+            depth_store=self.depth,
         )
 
 

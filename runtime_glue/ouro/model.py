@@ -198,10 +198,10 @@ class OuroModel:
         T, R, N = self.cfg.total_ut_steps, step.sample_rows.shape[0], step.input_ids.shape[0]
         h = F.embedding(step.input_ids, self.embed)  # [N, H]
         cos, sin = self.rope(step.positions, step.max_position)
-        kept, depth, carried, carried_gates = step.kept, step.depth, None, None
-        if depth is not None and depth.states is not None:  # depth rows past loop 0
-            h = h.index_copy(0, depth.entering, depth.states)
-        elif depth is None and kept is not None:  # verify rows: from the states drafts kept
+        kept, depth = step.kept, step.depth
+        if depth is not None:  # depth rows past loop 0: from the state their last loop left
+            h = self._depth_enter(h, depth)
+        elif kept is not None:  # verify rows: from the states drafts kept
             h = h.index_copy(0, kept.rows, kept.states[:, -1])
         # Under depth-wise batching a row's exit is decided between steps (engine.core).
         adaptive = None
@@ -225,7 +225,7 @@ class OuroModel:
                     at = span.rows if every_row_gates else span.samples
                     gates[t].append((at, self._gate(x, picked, step, every_row_gates)))
             if depth is not None and span is spans[0]:
-                carried, carried_gates, kept = self._depth_pass(x, depth, kept, step)
+                kept = self._depth_pass(x, depth, step)
             if span is not spans[-1]:
                 h = h.index_copy(0, span.rows, x)  # the next span continues from here
         if R == 0:  # depth rows only, none at its last loop: nothing is sampled
@@ -234,8 +234,6 @@ class OuroModel:
                 chosen=step.sample_rows,
                 states=h.new_empty(T, 0, h.shape[1]),
                 gates=None,
-                carried=carried,
-                carried_gates=carried_gates,
             )
         states = torch.stack([self._assemble(p, R, kept, t, "states") for t, p in enumerate(hs)])
         gate_t = None
@@ -244,27 +242,37 @@ class OuroModel:
             gate_t = torch.stack(
                 [self._assemble(p, size, kept, t, "gates") for t, p in enumerate(gates)]
             )
-        out = self._exit(states, gate_t, step, adaptive)
-        if depth is None:
-            return out
-        return attrs.evolve(out, carried=carried, carried_gates=carried_gates)
+        return self._exit(states, gate_t, step, adaptive)
 
-    def _depth_pass(self, x, depth: DepthRows, kept: Kept | None, step: StepInputs):
-        """After the first span's pass: each depth row's state (and gate) after its loop, and
-        the kept (sampled) depth rows with this pass's state (gate) put in at their loop, for
+    @staticmethod
+    def _depth_enter(h: torch.Tensor, depth: DepthRows) -> torch.Tensor:
+        """The step's state with each depth row past loop 0 replaced by its token's state
+        after the loop before (read from the store; a row at loop 0 keeps its embedding)."""
+        before = depth.states[depth.slots, (depth.loops - 1).clamp(min=0)]  # [D, H]
+        mine = h.index_select(0, depth.rows)
+        return h.index_copy(0, depth.rows, torch.where((depth.loops > 0)[:, None], before, mine))
+
+    def _depth_pass(self, x, depth: DepthRows, step: StepInputs) -> Kept | None:
+        """After the first span's pass: each depth row's state (and gate) after its loop into
+        its token's slot, in place; then the sampled depth rows' loops so far (zeros after), for
         the exit rule. The gates by the generated rows' kernel, as plain decoding computes a
         sampled row's."""
-        ops = self.kernels.bind(0)
-        carried = x.index_select(0, depth.rows)
-        carried_gates = self._gate_of(ops, carried) if step.exits.gated else None
-        if kept is not None:
-            at = (torch.arange(kept.rows.shape[0], device=x.device), depth.kept_loops)
-            now = x.index_select(0, kept.rows)
-            gates = kept.gates
-            if gates is not None:
-                gates = gates.index_put(at, self._gate_of(ops, now))
-            kept = attrs.evolve(kept, states=kept.states.index_put(at, now), gates=gates)
-        return carried, carried_gates, kept
+        now = x.index_select(0, depth.rows)
+        at = (depth.slots, depth.loops)
+        depth.states.index_put_(at, now)
+        if step.exits.gated:
+            depth.gates.index_put_(at, self._gate_of(self.kernels.bind(0), now))
+        if depth.kept_rows.shape[0] == 0:
+            return None
+        loops = torch.arange(self.cfg.total_ut_steps, device=x.device)
+        ran = loops[None, :] <= depth.kept_loops[:, None]  # [V, T]
+        states = depth.states.index_select(0, depth.kept_slots)
+        states = torch.where(ran[..., None], states, states.new_zeros(()))
+        gates = None
+        if step.exits.gated:
+            gates = depth.gates.index_select(0, depth.kept_slots)
+            gates = torch.where(ran, gates, gates.new_zeros(()))
+        return Kept(rows=depth.kept_rows, samples=depth.kept_samples, states=states, gates=gates)
 
     @staticmethod
     def _enter(span: Span, h, cos, sin):

@@ -43,15 +43,21 @@ class Kept:
 class DepthRows:
     """Depth-wise rows (``--depth-batching``, docs/depth-batching.md): generated rows that run
     one loop each in this step, whichever loop their token is at, all in the step's first span
-    (its attention shifts each row to its own loop's planes). The sampled ones (at the last
-    loop, or at a loop where they may exit under adaptive depth) are the step's ``Kept`` rows:
-    ``states [V, T, H]`` holds the loops their earlier steps ran (zeros after), and this pass's
-    state goes in at ``kept_loops``."""
+    (its attention shifts each row to its own loop's planes). A row past loop 0 starts from its
+    token's state after the loop before; each row's state (and gate) after its loop is written
+    to its token's slot of the store (``runtime_glue.engine.depth_store``: ``states``,
+    ``gates``, written in place). The sampled ones (at the last loop, or at a loop where they
+    may exit under adaptive depth) read their token's loops so far from there, zeros after."""
 
     rows: torch.Tensor  # [D] int64: every depth row of the step, ascending
-    entering: torch.Tensor  # [D'] int64: those past loop 0 ...
-    states: torch.Tensor | None  # [D', H]: ... start from the state their last loop left
-    kept_loops: torch.Tensor  # [V] int64: the loop each kept (sampled) depth row runs now
+    slots: torch.Tensor  # [D] int64: each one's slot in the store
+    loops: torch.Tensor  # [D] int64: the loop each runs now
+    states: torch.Tensor  # [S, T, H]: the store's states
+    gates: torch.Tensor  # [S, T]: and gates
+    kept_rows: torch.Tensor  # [V] int64: the sampled depth rows (step rows) ...
+    kept_samples: torch.Tensor  # [V] int64: ... their sampled-row indices ...
+    kept_slots: torch.Tensor  # [V] int64: ... slots ...
+    kept_loops: torch.Tensor  # [V] int64: ... and loops
 
 
 @attrs.frozen(eq=False, kw_only=True)
@@ -81,5 +87,3 @@ class StepOutput:
     chosen: torch.Tensor  # [R] int64: the loop each row's logits came from
     states: torch.Tensor  # [T, R, H]: each sampled row's state after every loop
     gates: torch.Tensor | None  # [T, R]: its gate after every loop, when gated
-    carried: torch.Tensor | None = None  # [D, H]: each depth row's state after its loop
-    carried_gates: torch.Tensor | None = None  # [D]: and its gate, when gated
