@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_glue.engine import core, kv_placement
+from runtime_glue.engine import kv_placement
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
 from runtime_glue.ouro.model import OuroModel
@@ -175,11 +175,11 @@ def test_a_planted_shared_table_at_the_wrong_loop_is_caught(gqa, monkeypatch):
 
 def test_a_planted_missing_fill_of_the_skipped_planes_is_caught(gqa, monkeypatch):
     """The planes a leaving token skips are read by later tokens: without adaptive depth's
-    fill the tokens or logits differ from it."""
+    fill (done in the step, for every row that may leave) the tokens or logits differ."""
     adaptive, depth = _pair(gqa, "cpu", adaptive_depth=True, exit_threshold=0.5)
     jobs = jobs_of(adaptive)
     want = run(adaptive, jobs)
-    monkeypatch.setattr(core, "fill_skipped_planes", lambda *a: None)
+    monkeypatch.setattr(OuroModel, "_depth_fill", lambda *a: None)
     with pytest.raises(AssertionError, match="request"):
         assert_same(run(depth, jobs), want)
 

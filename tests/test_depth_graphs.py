@@ -55,6 +55,29 @@ def test_replayed_depth_steps_equal_plain_decoding_in_deterministic_mode(tiny_ck
     assert llm.engine.graphs.stats["graph_steps"] > 0
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_with_adaptive_depth_replayed_depth_steps_give_the_eager_ones_bits(tiny_ckpt, mode):
+    """Under adaptive depth a depth row leaves between steps (its exit rule read back with its
+    step's picks), and the planes it skips are filled inside the step: step graphs combine
+    with both. Replay equals eager; in deterministic mode both are adaptive depth's bits."""
+    requests = _requests(4)
+    kw = dict(adaptive_depth=True, exit_threshold=0.4)
+    eager = _run(_depth(tiny_ckpt, mode, False, **kw), requests)
+    llm = _depth(tiny_ckpt, mode, True, **kw)
+    graphs = _run(llm, requests)
+    _assert_same(eager, graphs)
+    if mode == "deterministic":
+        _assert_same(_run(_llm(tiny_ckpt, mode, False, **kw), requests), graphs)
+    exits = [s for _, _, steps in graphs.values() for s in steps[1:]]
+    assert any(s < 3 for s in exits), "some token left before the last loop"
+    assert llm.engine.graphs.stats["graph_steps"] > 0
+
+
+def test_adaptive_depth_with_graphs_is_refused_only_without_depth_batching(tiny_ckpt):
+    with pytest.raises(ValueError, match="with --depth-batching rows leave between steps"):
+        _llm(tiny_ckpt, "deterministic", True, adaptive_depth=True)
+
+
 def test_depth_graphs_are_admitted_by_a_replay_at_other_loops(tiny_ckpt):
     llm = _depth(tiny_ckpt, "deterministic", True)
     [admission] = [a for a in llm.plan.admissions if a.op == "step_graphs"]
@@ -67,9 +90,11 @@ def test_a_replayed_depth_step_makes_no_more_host_calls_than_a_plain_decode_step
     from runtime_glue.bench.graph_bench import host_calls_by_kind
 
     plain = host_calls_by_kind(_llm(tiny_ckpt, "deterministic", True))
-    depth = host_calls_by_kind(_depth(tiny_ckpt, "deterministic", True))
-    assert set(plain) == {"decode"} and set(depth) == {"depth"}
-    assert 0 < depth["depth"] <= plain["decode"], (depth, plain)
+    assert set(plain) == {"decode"}
+    for kw in ({}, dict(adaptive_depth=True, exit_threshold=0.4)):  # with exits: the fill too
+        depth = host_calls_by_kind(_depth(tiny_ckpt, "deterministic", True, **kw))
+        assert set(depth) == {"depth"}
+        assert 0 < depth["depth"] <= plain["decode"], (kw, depth, plain)
 
 
 def test_a_graph_that_carries_states_beside_the_store_is_caught(tiny_ckpt, monkeypatch):

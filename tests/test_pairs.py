@@ -118,6 +118,7 @@ def test_each_refused_pair_is_refused_with_its_reason(refused):
         dict(depth_batching=True, adaptive_depth=True),
         dict(depth_batching=True, kv_sharing="last"),
         dict(depth_batching=True, step_graphs=True),
+        dict(depth_batching=True, step_graphs=True, adaptive_depth=True),
     ],
 )
 def test_the_pairs_that_combine_are_not_refused(options):

@@ -102,6 +102,8 @@ def from_fields(cls: type, args: argparse.Namespace | dict, **overrides: Any) ->
 
 
 SET = object()  # in REFUSED: the option is given at all
+# Pairs of REFUSED that combine beside a third option set to True (the pair's reason says why).
+COMBINED_BY = {("step_graphs", "adaptive_depth"): "depth_batching"}
 
 # Every pair of options that does not combine, each with its arithmetic reason, checked where
 # engines are made (runtime_glue.engine.refusals.check_engine). Everything else combines
@@ -141,7 +143,8 @@ REFUSED = (
     ),
     (
         "step_graphs", True, "adaptive_depth", True,
-        "deciding which rows leave after each loop reads the device, which a graph cannot",
+        "deciding which rows leave after each loop reads the device, which a graph cannot "
+        "(with --depth-batching rows leave between steps, and the three combine)",
     ),
     (
         "speculative_loops", SET, "depth_batching", True,

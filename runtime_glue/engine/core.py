@@ -54,7 +54,6 @@ from runtime_glue.engine.step import HostStep, StepBuilder
 from runtime_glue.engine.structured import GrammarCompiler
 from runtime_glue.engine.validation import InvalidRequest as InvalidRequest
 from runtime_glue.engine.validation import check_request, compile_grammar
-from runtime_glue.ouro.adaptive import fill_skipped_planes
 from runtime_glue.ouro.exits import ExitMode
 from runtime_glue.ouro.model import OuroModel
 from runtime_glue.ouro.plan import Admission
@@ -117,7 +116,8 @@ class Engine:
         depth = None
         if config.depth_batching:
             depth = DepthStore(config.max_num_seqs, cfg.total_ut_steps, cfg.hidden_size,
-                               model.embed.dtype, device.torch_device)  # fmt: skip
+                               model.embed.dtype, device.torch_device,
+                               config.depth_exits)  # fmt: skip
         self.builder = StepBuilder(model.cfg, self.kv, early, depth)
         self.graphs: StepGraphRunner | None = None
         self.graph_admission: Admission | None = None  # the graphs' check on this device
@@ -368,11 +368,10 @@ class Engine:
         outputs = []
         for s, mine in zip(plan, host.rows_of, strict=True):
             s.req.last_fence = fence
-            if s.loop is not None and not s.finishing:
-                if not (s.may_exit and sampled.exit_steps[mine[0]] == s.loop):
-                    self._carry(s.req)  # its token goes on to the next loop
-                    continue
-                self._left_after(s.req, s.loop)
+            leaves = s.may_exit and sampled.exit_steps[mine[0]] == s.loop
+            if s.loop is not None and not (s.finishing or leaves):
+                self._carry(s.req)  # its token goes on to the next loop
+                continue  # (one that leaves: the step filled the planes it skips)
             rows = self._apply(s, mine, sampled, fence, host)
             if rows:
                 outputs.append(self.output.emit(s.req, rows, sampled))
@@ -408,13 +407,6 @@ class Engine:
         and gate are in the store, where the step wrote them)."""
         assert req.depth is not None
         req.depth.loop += 1
-
-    def _left_after(self, req: Request, loop: int) -> None:
-        """A depth row's token leaves after ``loop`` (its exit rule reached there): the planes
-        of the loops it skips get its loop's K/V, as adaptive depth fills them."""
-        entry = self.kv.entry(req, 1, req.num_computed)
-        address, _ = self.kv.addressing([entry]).to(self.device.torch_device)
-        fill_skipped_planes(self.model, address, 0, loop)
 
     def _apply(self, s, mine: list[int], sampled: Sampled, fence, host: HostStep) -> list[int]:
         """What one request's rows computed; the sampled rows whose tokens it emits."""

@@ -23,11 +23,15 @@ from runtime_glue.engine.request import DepthToken, Request
 class DepthStore:
     """``slots`` tokens in flight at once (a step's most depth rows), ``T`` loops each."""
 
-    def __init__(self, slots: int, loops: int, hidden: int, dtype, device) -> None:
+    def __init__(
+        self, slots: int, loops: int, hidden: int, dtype, device, exits: bool = False
+    ) -> None:
+        """``exits``: tokens may leave after any loop (adaptive depth's exits)."""
         with torch.inference_mode():  # written only inside steps (inference mode)
             self.states = torch.zeros(slots + 1, loops, hidden, dtype=dtype, device=device)
             self.gates = torch.zeros(slots + 1, loops, dtype=dtype, device=device)
         self.scratch = slots  # padding rows of captured steps
+        self.exits = exits
         self._holders: list[tuple[Request, DepthToken] | None] = [None] * slots
 
     def token(self, req: Request) -> DepthToken:

@@ -186,6 +186,7 @@ def _depth_inputs(buf: StaticBuffers, whole: KVAddressing) -> StepInputs:
         kept_samples=every[:S],
         kept_slots=v["slot"].index_select(0, samples),
         kept_loops=v["loop"].index_select(0, samples),
+        fills=buf.store.exits,
     )
     return StepInputs(
         input_ids=v["ids"],
@@ -257,6 +258,9 @@ def stage(
     flat += [x for s in slots for x in s] + [x for t in tables for x in t]
     if shape.samples is None:  # every row sampled: the real ones among the padded
         return flat, real
-    # A depth-wise step's rows lead (its only group); padding samples repeat its last row.
+    # A depth-wise step's rows lead (its only group); padding samples are rows it does not
+    # sample (padding rows first), each once: what they compute is dropped.
     samples = list(host.sample_rows)
-    return flat + samples + [padded - 1] * (shape.samples - len(samples)), list(range(len(samples)))
+    others = [r for r in reversed(range(padded)) if r not in sampled]
+    samples += others[: shape.samples - len(samples)]
+    return flat + samples, list(range(len(host.sample_rows)))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hal.interfaces import AttentionBackend, Driver
-from runtime_glue.engine.args import REFUSED, SET
+from runtime_glue.engine.args import COMBINED_BY, REFUSED, SET
 from runtime_glue.ouro.quantize import check_quantization
 
 MAX_SPECULATIVE_TOKENS = 63  # a verify step's rows fit one generated-row tile (64)
@@ -142,6 +142,9 @@ def _flag(name: str, value: Any) -> str:
 def refused_pair(args: Any) -> str | None:
     """The first pair of ``REFUSED`` that ``args`` sets, as its message; None if none."""
     for a, va, b, vb, why in REFUSED:
+        third = COMBINED_BY.get((a, b))
+        if third is not None and getattr(args, third) is True:
+            continue
         if _is(getattr(args, a), va) and _is(getattr(args, b), vb):
             return f"{_flag(a, va)} cannot be combined with {_flag(b, vb)}: {why}"
     return None

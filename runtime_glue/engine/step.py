@@ -183,9 +183,10 @@ class HostStep:
             return None
         store = self.depth_store
         assert store is not None
+        fills = store.exits and any(s.may_exit for s in self.plan)
         return DepthRows(rows=t[2], slots=t[3], loops=t[4], states=store.states,
                          gates=store.gates, kept_rows=t[0], kept_samples=t[1], kept_slots=t[5],
-                         kept_loops=t[6])  # fmt: skip
+                         kept_loops=t[6], fills=fills)  # fmt: skip
 
 
 def _host_tensors(

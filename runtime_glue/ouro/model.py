@@ -264,6 +264,8 @@ class OuroModel:
             depth.gates.index_put_(at, self._gate_of(self.kernels.bind(0), now))
         if depth.kept_rows.shape[0] == 0:
             return None
+        if depth.fills:
+            self._depth_fill(depth, step.kv)
         loops = torch.arange(self.cfg.total_ut_steps, device=x.device)
         ran = loops[None, :] <= depth.kept_loops[:, None]  # [V, T]
         states = depth.states.index_select(0, depth.kept_slots)
@@ -273,6 +275,28 @@ class OuroModel:
             gates = depth.gates.index_select(0, depth.kept_slots)
             gates = torch.where(ran, gates, gates.new_zeros(()))
         return Kept(rows=depth.kept_rows, samples=depth.kept_samples, states=states, gates=gates)
+
+    def _depth_fill(self, depth: DepthRows, kv: KVAddressing) -> None:
+        """The sampled depth rows' K/V at this loop into their slots of every later loop, at
+        every layer: adaptive depth's fill (``fill_skipped_planes``) for a row that leaves
+        after this loop, done in the step before anyone knows whether it leaves (so that a
+        step graph holds it). A row that stays writes its next loop's K/V there before
+        anything reads it (its request's next token waits for this one; no other request
+        reads its generated pages); past the last loop a row writes its slot onto itself.
+        Under kv sharing loop ``k``'s table is the row's loop + k's (``hal.shared_kv``): a
+        generated block's slot is the same at every loop, a prompt block's is not."""
+        T, L = self.cfg.total_ut_steps, self.cfg.num_hidden_layers
+        rows, loops = depth.kept_rows, depth.kept_loops
+        src = kv.write_slots(0).index_select(0, rows)  # this loop's slots
+        later = [
+            torch.where(loops + k < T, kv.write_slots(k).index_select(0, rows), src)
+            for k in range(1, T)
+        ]
+        for li in range(L):
+            key, value = self.kv.gather(li, src)  # [1, kv_heads, V, d]
+            key, value = key[0].transpose(0, 1), value[0].transpose(0, 1)
+            for dst in later:
+                self.kv.write(li, key, value, dst)
 
     @staticmethod
     def _enter(span: Span, h, cos, sin):

@@ -58,6 +58,7 @@ class DepthRows:
     kept_samples: torch.Tensor  # [V] int64: ... their sampled-row indices ...
     kept_slots: torch.Tensor  # [V] int64: ... slots ...
     kept_loops: torch.Tensor  # [V] int64: ... and loops
+    fills: bool = False  # some may leave after their loop: fill the planes they would skip
 
 
 @attrs.frozen(eq=False, kw_only=True)
