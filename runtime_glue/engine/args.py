@@ -289,8 +289,9 @@ class EngineArgs:
     depth_batching: bool = cli_field(
         False,
         "depth-wise batching: a generated token runs one of its loops a step, beside rows "
-        "at other loops in the same pass over the layers (docs/depth-batching.md; milestone "
-        "1: every loop runs, the same bits as plain decoding in deterministic mode)",
+        "at other loops in the same pass over the layers (docs/depth-batching.md): every loop "
+        "runs, the same bits as plain decoding in deterministic mode; with --adaptive-depth a "
+        "token leaves after its exit loop, with adaptive depth's bits",
         action="store_true",
     )
     enable_prefix_caching: bool | None = cli_field(
