@@ -150,16 +150,35 @@ def test_bench_determinism_reports_the_cost_of_the_mode(tmp_path):
 def test_bench_adaptive_compares_full_depth_adaptive_depth_and_depth_wise_batching(tmp_path):
     report, table = _bench(
         tmp_path,
-        "adaptive --preset tiny --input-len 8 --output-len 4 --runs 1 --concurrency 3 "
+        "adaptive --preset tiny --input-len 8 --output-len 4 --runs 1 --concurrency 1,3,5 "
         "--block-size 16 --exit-threshold 0.5",
     )
-    assert set(report["levels"]) == {"c1", "c3"}
+    assert set(report["levels"]) == {"c1", "c3", "c5"}
     assert report["depth_equals_adaptive"] is True  # the same bits, only scheduled otherwise
     assert 1 <= report["mean_loops_adaptive"] < report["loops"]
     for name, r in report["levels"].items():
         assert _positive(r["full_tok_s"]) and _positive(r["depth_tok_s"])
         assert f"| {name} | {r['full_tok_s']:.2f} | {r['adaptive_tok_s']:.2f} |" in table
         assert f"| {r['depth_tok_s']:.2f} | {r['depth_speedup']:.2f}x |" in table
+        for variant, t in r["latency"].items():
+            assert 0 < t["ttft_p50"] <= t["ttft_p90"] and 0 < t["tpot_p50"] <= t["tpot_p90"]
+            assert f"| {name} | {variant} | {t['ttft_p50']:.4f} |" in table
+    assert "host_calls_per_token" not in report  # the cpu captures no graphs
+
+
+def test_bench_adaptive_counts_host_calls_per_token_where_graphs_replay(tmp_path, monkeypatch):
+    """On the emulated npu with step graphs: full compute and depth-wise batching replay
+    (a few host calls a step), adaptive depth alone runs eagerly (an op launch each)."""
+    monkeypatch.setenv("RLT_HAL_NPU_EMULATE", "1")
+    report, table = _bench(
+        tmp_path,
+        "adaptive --preset tiny --device npu --step-graphs --input-len 8 --output-len 4 "
+        "--runs 1 --concurrency 2 --block-size 16 --exit-threshold 0.5",
+    )
+    calls = report["host_calls_per_token"]
+    assert report["depth_equals_adaptive"] is True
+    assert calls["full"] < calls["adaptive"] and calls["depth"] < calls["adaptive"], calls
+    assert "host calls per decode token" in table
 
 
 def test_bench_plans_compares_the_default_with_every_single_kernel_plan(tmp_path):

@@ -75,9 +75,15 @@ def _add_engine_benches(kinds) -> None:
     _load_args(pl)
     pl.set_defaults(func=cmd_plans)
     ad = kinds.add_parser(
-        "adaptive", help="adaptive depth against full compute: speed, depth and agreement"
+        "adaptive",
+        help="full compute, adaptive depth and depth-wise batching: speed, latency percentiles, "
+        "depth and agreement",
     )
-    _load_args(ad, output_len=32)
+    _model_args(ad)
+    _length_args(ad, 64, 32)
+    ad.add_argument(
+        "--concurrency", type=_ints, default=[1, 8], help="prompts at once, comma-separated"
+    )
     ad.set_defaults(func=cmd_adaptive)
 
 
@@ -261,7 +267,9 @@ def cmd_plans(args) -> int:
 def cmd_adaptive(args) -> int:
     from runtime_glue.bench.engine_bench import adaptive_depth, markdown_adaptive
 
-    llm = _llm(args, _load_tokens(args))
+    most = max(args.concurrency)
+    tokens = most * (args.input_len + args.output_len + args.block_size)
+    llm = _llm(args, tokens, max_num_seqs=max(most, args.max_num_seqs))
     report = adaptive_depth(llm, args.input_len, args.output_len, args.runs, args.concurrency)
     return _emit_model(args, report, markdown_adaptive(report))
 

@@ -265,6 +265,7 @@ class LLM:
         adaptive_depth: bool | None = None,
         mode: str | None = None,
         depth_batching: bool | None = None,
+        step_graphs: bool | None = None,
     ) -> LLM:
         """The same weights and KV pool under the plan these flags resolve to (benchmarks
         compare plans this way). Run one of the two at a time: they share the KV pool and its
@@ -285,6 +286,7 @@ class LLM:
             exit_threshold=defaults.threshold,
             remeasure_plan=False,
             depth_batching=self.args.depth_batching if depth_batching is None else depth_batching,
+            step_graphs=self.args.step_graphs if step_graphs is None else step_graphs,
         )
         other.engine_config = attrs.evolve(
             self.engine_config, depth_batching=other.args.depth_batching
