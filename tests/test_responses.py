@@ -109,6 +109,23 @@ def test_a_string_input_answers_as_chat_does_and_max_output_tokens_makes_it_inco
     assert sdk.output_text == got.output_text and sdk.id != got.id
 
 
+def test_seed_and_top_p_reach_the_sampler(server, client):
+    """At temperature 1: the same seed gives the same sample, as chat's does with it; other
+    seeds give others; a tiny top_p leaves the likeliest token alone (greedy decoding)."""
+    sample = {"model": "toy", "input": "Hello", "max_output_tokens": 8, "temperature": 1.0}
+    said = {s: client.responses.create(**sample, extra_body={"seed": s}).output_text
+            for s in (7, 8, 9)}  # fmt: skip
+    again = client.responses.create(**sample, extra_body={"seed": 7})
+    assert again.output_text == said[7] and len(set(said.values())) > 1
+    chat = client.chat.completions.create(model="toy", messages=USER, max_tokens=8,
+                                          temperature=1.0, seed=7)  # fmt: skip
+    assert chat.choices[0].message.content == said[7]
+    greedy = _create(server, **GREEDY, input="Hello", max_output_tokens=8).output_text
+    assert greedy not in said.values()
+    narrow = client.responses.create(**sample, top_p=1e-6, extra_body={"seed": 8})
+    assert narrow.output_text == greedy and narrow.top_p == 1e-6
+
+
 def test_a_list_of_items_with_instructions_is_the_chat_conversation(server, client):
     items = [
         {"role": "user", "content": "Hi"},
@@ -253,6 +270,33 @@ def test_a_required_call_streams_its_arguments_and_the_final_response_has_it(ser
     (got,) = final.output
     assert (got.type, got.name, got.arguments) == ("function_call", call.name, call.arguments)
     assert "".join(deltas) == call.arguments
+
+
+def test_the_sdk_makes_a_function_call_and_sends_its_output_back_for_a_final_message(client):
+    """The openai SDK's own calls, as its function-calling guide has them: the call item it
+    returned goes back in ``input`` with its output (and, alike, by previous_response_id)."""
+    ask = {"role": "user", "content": "weather in Oslo?"}
+    for choice in ("required", NAMED):
+        called = client.responses.create(model="toy", input=[ask], tools=[WEATHER],
+                                         tool_choice=choice, parallel_tool_calls=False,
+                                         temperature=0)  # fmt: skip
+        assert called.status == "completed" and called.output_text == ""
+        (call,) = called.output
+        assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+        args = json.loads(call.arguments)
+        jsonschema.validate(args, WEATHER["parameters"])
+        result = {"type": "function_call_output", "call_id": call.call_id,
+                  "output": f"sunny in {args['city']}"}  # fmt: skip
+        final = client.responses.create(model="toy", input=[ask, call, result], tools=[WEATHER],
+                                        tool_choice="none", temperature=0,
+                                        max_output_tokens=6)  # fmt: skip
+        assert [item.type for item in final.output] == ["message"] and final.output_text
+        assert final.usage.input_tokens > called.usage.input_tokens  # the call and its output
+        chained = client.responses.create(model="toy", previous_response_id=called.id,
+                                          input=[result], tools=[WEATHER], tool_choice="none",
+                                          temperature=0, max_output_tokens=6)  # fmt: skip
+        assert chained.output_text == final.output_text
+        assert chained.usage.input_tokens == final.usage.input_tokens
 
 
 def body_of(body: dict) -> dict:
