@@ -183,10 +183,11 @@ def test_greedy_completions_and_streams_through_ray_equal_llm_generate(tiny_ckpt
         for p in PROMPTS
     ]
     assert streamed == want
-    chat = client.chat.completions.create(
-        model="toy", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=4
-    )
-    assert sum(1 for chunk in chat if chunk.choices and chunk.choices[0].delta.content) >= 1
+    messages = [{"role": "user", "content": "hi"}]
+    [answer] = local.chat(messages, params)
+    chat = client.chat.completions.create(model="toy", messages=messages, stream=True, **extra)
+    pieces = [c.choices[0].delta.content for c in chat if c.choices and c.choices[0].delta.content]
+    assert pieces and "".join(pieces) == answer.outputs[0].text
 
 
 @needs_ray

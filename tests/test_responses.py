@@ -109,6 +109,23 @@ def test_a_string_input_answers_as_chat_does_and_max_output_tokens_makes_it_inco
     assert sdk.output_text == got.output_text and sdk.id != got.id
 
 
+def test_seed_and_top_p_reach_the_sampler(server, client):
+    """At temperature 1: the same seed gives the same sample, as chat's does with it; other
+    seeds give others; a tiny top_p leaves the likeliest token alone (greedy decoding)."""
+    sample = {"model": "toy", "input": "Hello", "max_output_tokens": 8, "temperature": 1.0}
+    said = {s: client.responses.create(**sample, extra_body={"seed": s}).output_text
+            for s in (7, 8, 9)}  # fmt: skip
+    again = client.responses.create(**sample, extra_body={"seed": 7})
+    assert again.output_text == said[7] and len(set(said.values())) > 1
+    chat = client.chat.completions.create(model="toy", messages=USER, max_tokens=8,
+                                          temperature=1.0, seed=7)  # fmt: skip
+    assert chat.choices[0].message.content == said[7]
+    greedy = _create(server, **GREEDY, input="Hello", max_output_tokens=8).output_text
+    assert greedy not in said.values()
+    narrow = client.responses.create(**sample, top_p=1e-6, extra_body={"seed": 8})
+    assert narrow.output_text == greedy and narrow.top_p == 1e-6
+
+
 def test_a_list_of_items_with_instructions_is_the_chat_conversation(server, client):
     items = [
         {"role": "user", "content": "Hi"},
@@ -253,6 +270,33 @@ def test_a_required_call_streams_its_arguments_and_the_final_response_has_it(ser
     (got,) = final.output
     assert (got.type, got.name, got.arguments) == ("function_call", call.name, call.arguments)
     assert "".join(deltas) == call.arguments
+
+
+def test_the_sdk_makes_a_function_call_and_sends_its_output_back_for_a_final_message(client):
+    """The openai SDK's own calls, as its function-calling guide has them: the call item it
+    returned goes back in ``input`` with its output (and, alike, by previous_response_id)."""
+    ask = {"role": "user", "content": "weather in Oslo?"}
+    for choice in ("required", NAMED):
+        called = client.responses.create(model="toy", input=[ask], tools=[WEATHER],
+                                         tool_choice=choice, parallel_tool_calls=False,
+                                         temperature=0)  # fmt: skip
+        assert called.status == "completed" and called.output_text == ""
+        (call,) = called.output
+        assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+        args = json.loads(call.arguments)
+        jsonschema.validate(args, WEATHER["parameters"])
+        result = {"type": "function_call_output", "call_id": call.call_id,
+                  "output": f"sunny in {args['city']}"}  # fmt: skip
+        final = client.responses.create(model="toy", input=[ask, call, result], tools=[WEATHER],
+                                        tool_choice="none", temperature=0,
+                                        max_output_tokens=6)  # fmt: skip
+        assert [item.type for item in final.output] == ["message"] and final.output_text
+        assert final.usage.input_tokens > called.usage.input_tokens  # the call and its output
+        chained = client.responses.create(model="toy", previous_response_id=called.id,
+                                          input=[result], tools=[WEATHER], tool_choice="none",
+                                          temperature=0, max_output_tokens=6)  # fmt: skip
+        assert chained.output_text == final.output_text
+        assert chained.usage.input_tokens == final.usage.input_tokens
 
 
 def body_of(body: dict) -> dict:
@@ -407,6 +451,95 @@ def test_a_thinking_model_gives_a_reasoning_item_then_its_message_whole_and_stre
     assert httpx.get(thinking_server.base + f"/v1/responses/{whole.id}").status_code == 401
     got = httpx.get(thinking_server.base + f"/v1/responses/{whole.id}", headers=auth)
     assert got.json() == r.json()
+
+
+ADD = {"type": "function", "name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"enum": [1, 2]}, "b": {"enum": [2, 3]}},
+    "required": ["a", "b"], "additionalProperties": False}}  # fmt: skip
+AUTH = {"authorization": "Bearer k"}
+
+
+def test_a_thinking_model_gives_a_reasoning_item_then_a_function_call_whole_and_streamed(
+    thinking_server,
+):
+    think = {k: v for k, v in THINK.items() if k != "structured_outputs"}
+    body = {**GREEDY, "input": "What is 2 + 2?", "max_output_tokens": 48, "tools": [ADD],
+            "tool_choice": "required", "parallel_tool_calls": False, **think}  # fmt: skip
+    whole = Response.model_validate(_post(thinking_server, body, headers=AUTH).json())
+    reasoning, call = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    assert (call.type, call.name, whole.status) == ("function_call", "add", "completed")
+    jsonschema.validate(json.loads(call.arguments), ADD["parameters"])
+    assert whole.usage.output_tokens_details.reasoning_tokens == 7  # budget + tag
+    chat_tool = {"type": "function", "function": {k: v for k, v in ADD.items() if k != "type"}}
+    asked = {**GREEDY, "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+             "max_tokens": 48, "tools": [chat_tool], "tool_choice": "required",
+             "parallel_tool_calls": False, **think}  # fmt: skip
+    chat = _post(thinking_server, asked, "/v1/chat/completions", headers=AUTH).json()
+    message = chat["choices"][0]["message"]
+    assert reasoning.content[0].text == message["reasoning"]
+    assert call.arguments == message["tool_calls"][0]["function"]["arguments"]
+
+    events = []
+    with httpx.stream("POST", thinking_server.base + "/v1/responses", headers=AUTH,
+                      json={**body, "stream": True}, timeout=120) as s:  # fmt: skip
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(EVENTS.validate_python(json.loads(line[6:])))
+    kinds = [e.type for e in events]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == reasoning.content[0].text
+    assert "response.output_text.delta" not in kinds
+    args = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert [(e.output_index, e.delta) for e in args] == [(1, call.arguments)]
+    assert kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.function_call_arguments.delta"
+    )
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [item.type for item in final.response.output] == ["reasoning", "function_call"]
+    assert final.response.output[1].arguments == call.arguments
+
+
+def test_a_schema_answer_follows_free_reasoning_in_a_response(thinking_server):
+    fmt = {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True}
+    think = {k: v for k, v in THINK.items() if k != "structured_outputs"}
+    body = {**GREEDY, "input": "describe a pet", "max_output_tokens": 64,
+            "text": {"format": fmt}, **think}  # fmt: skip
+    got = Response.model_validate(_post(thinking_server, body, headers=AUTH).json())
+    reasoning, answer = got.output
+    assert reasoning.type == "reasoning" and answer.type == "message"
+    assert got.status == "completed"
+    jsonschema.validate(json.loads(got.output_text), SCHEMA)
+    text = reasoning.content[0].text
+    with pytest.raises(json.JSONDecodeError):  # the grammar held only after the reasoning
+        json.loads(text)
+    assert got.usage.output_tokens_details.reasoning_tokens == 7
+    json_schema = {"name": "pet", "schema": SCHEMA, "strict": True}
+    asked = {**GREEDY, "messages": [{"role": "user", "content": "describe a pet"}],
+             "max_tokens": 64, "response_format": {"type": "json_schema",
+             "json_schema": json_schema}, **think}  # fmt: skip
+    chat = _post(thinking_server, asked, "/v1/chat/completions", headers=AUTH).json()
+    message = chat["choices"][0]["message"]
+    assert (text, got.output_text) == (message["reasoning"], message["content"])
+
+
+def test_reasoning_effort_minimal_is_a_budget_of_128_tokens_in_a_response(thinking_server):
+    """A bias against the end tag (id 1023, the Thinking toy's) keeps the random weights from
+    ending the block themselves; effort 'minimal' (128 tokens) ends it, and 'low' (512)
+    leaves the reasoning to max_output_tokens."""
+    body = {**GREEDY, "input": "What is 2 + 2?", "max_output_tokens": 140,
+            "logit_bias": {"1023": -100}, **{k: v for k, v in THINK.items()
+            if k != "thinking_token_budget"}}  # fmt: skip
+    minimal = {**body, "reasoning": {"effort": "minimal"}}
+    got = Response.model_validate(_post(thinking_server, minimal, headers=AUTH).json())
+    assert [item.type for item in got.output] == ["reasoning", "message"]
+    assert got.usage.output_tokens_details.reasoning_tokens == 129  # 128 and the end tag
+    assert re.fullmatch("[a-z]{2,6}", got.output_text) and got.reasoning.effort == "minimal"
+    low = {**body, "reasoning": {"effort": "low"}}
+    cut = Response.model_validate(_post(thinking_server, low, headers=AUTH).json())
+    assert [item.type for item in cut.output] == ["reasoning"] and cut.status == "incomplete"
+    assert cut.usage.output_tokens_details.reasoning_tokens == 140
 
 
 # -- stored responses --------------------------------------------------------------------------

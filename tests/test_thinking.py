@@ -454,3 +454,168 @@ def test_a_token_the_grammar_engine_allows_then_refuses_ends_the_output_with_an_
         assert "refused token" in req.error and req.output_ids.count(end) == 0
     else:
         assert re.fullmatch(pattern, req.text) and req.finish_reason == "stop"
+
+
+# -- the server's reasoning with tools, streams and efforts ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def r1_server(thinking):
+    """The Thinking-layout toy served with deepseek_r1's parser."""
+    proc = ServerProcess(thinking, "--reasoning-parser", "deepseek_r1")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def hermes_r1(tiny_ckpt, tmp_path_factory):
+    """The tiny toy with a template that renders tools (tool_choice 'auto' parses Hermes
+    blocks) and deepseek_r1's parser. Its tags are text, not tokens, so a regex can make the
+    model write the whole output, reasoning block included."""
+    from tests.helpers import with_tool_template
+
+    ckpt = with_tool_template(tiny_ckpt, tmp_path_factory.mktemp("hermes-r1"))
+    proc = ServerProcess(ckpt, "--reasoning-parser", "deepseek_r1")
+    yield proc
+    proc.stop()
+
+
+def _chunks(server, body) -> list[dict]:
+    """A streamed chat completion's chunks (the data lines before [DONE])."""
+    chunks = []
+    with httpx.stream("POST", server.base + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+
+
+def _hermes(city: str) -> str:
+    return f'<tool_call>{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}</tool_call>'
+
+
+def test_a_call_written_in_the_reasoning_is_not_a_tool_call_only_the_answers_is(hermes_r1):
+    """The model is made to write a Hermes call block inside its reasoning and another after
+    it (a regex over the whole output): only the answer's becomes a call, whole and streamed;
+    the reasoning keeps its block as text."""
+    thought = f"maybe {_hermes('Paris')} no"
+    said = f"{thought}</think>ok {_hermes('Oslo')}"
+    body = {"model": "toy", "messages": [{"role": "user", "content": "weather?"}],
+            "temperature": 0, "max_tokens": 200, "tools": WEATHER,
+            "structured_outputs": {"regex": re.escape(said)}}  # fmt: skip
+    out = _post(hermes_r1, body).json()["choices"][0]
+    message = out["message"]
+    assert message["reasoning"] == thought and message["content"] == "ok "
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert out["finish_reason"] == "tool_calls"
+
+    got: dict[str, str] = {"reasoning": "", "content": ""}
+    calls = []
+    for chunk in _chunks(hermes_r1, body):
+        delta = chunk["choices"][0]["delta"]
+        for key in got:
+            got[key] += delta.get(key) or ""
+        calls += delta.get("tool_calls") or []
+    assert got == {"reasoning": thought, "content": "ok "}
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}]
+
+
+def test_a_required_call_after_the_thinking_streams_the_reasoning_then_the_call(r1_server):
+    body = {"model": "toy", "messages": CHAT, "max_tokens": 48, "temperature": 0,
+            "thinking_token_budget": 6, "chat_template_kwargs": {"enable_thinking": True},
+            "tools": TOOLS, "tool_choice": "required"}  # fmt: skip
+    whole = _post(r1_server, body).json()["choices"][0]
+    (want,) = whole["message"]["tool_calls"]
+    assert whole["message"]["reasoning"] and whole["message"]["content"] is None
+    order, reasoning, calls, reasons = [], "", [], []
+    for chunk in _chunks(r1_server, body):
+        (choice,) = chunk["choices"]
+        delta = choice["delta"]
+        assert not delta.get("content")  # a forced call writes no message
+        if delta.get("reasoning"):
+            reasoning += delta["reasoning"]
+            order.append("reasoning")
+        if delta.get("tool_calls"):
+            calls += delta["tool_calls"]
+            order.append("tool_calls")
+        reasons.append(choice["finish_reason"])
+    assert order.count("tool_calls") == 1 and order[-1] == "tool_calls" and order[0] == "reasoning"
+    assert reasoning == whole["message"]["reasoning"]
+    (call,) = calls
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"]["name"] == "add"
+    args = json.loads(call["function"]["arguments"])
+    assert args == json.loads(want["function"]["arguments"])
+    jsonschema.validate(args, TOOLS[0]["function"]["parameters"])
+    assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out_of_every_chunk(r1_server):
+    body = {"model": "toy", "messages": CHAT, "max_tokens": 24, "temperature": 0,
+            "thinking_token_budget": 6, "structured_outputs": {"regex": ANSWER_WORD},
+            "chat_template_kwargs": {"enable_thinking": True}, "include_reasoning": False,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    shown = {k: v for k, v in body.items() if k not in ("include_reasoning", "stream_options")}
+    thought = _post(r1_server, shown).json()["choices"][0]["message"]
+    assert thought["reasoning"] and thought["content"]  # there is reasoning to leave out
+    whole = _post(r1_server, {k: v for k, v in body.items() if k != "stream_options"}).json()
+    message = whole["choices"][0]["message"]
+    assert message["content"] == thought["content"] and "reasoning" not in message
+    chunks = _chunks(r1_server, body)
+    content = ""
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            assert not {"reasoning", "reasoning_content"} & set(choice["delta"]), chunk
+            content += choice["delta"].get("content") or ""
+    assert content == message["content"]
+    assert thought["reasoning"] not in content
+    # left out of the text, still counted (vLLM's usage)
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
+
+
+def test_reasoning_efforts_map_to_their_budgets_and_the_server_applies_them(r1):
+    from runtime_glue.engine.reasoning import EFFORT_BUDGETS, effort_budget
+    from runtime_glue.server.app import Server
+    from runtime_glue.server.protocol import ChatCompletionRequest
+
+    want = {"none": 0, "minimal": 128, "low": 512, "medium": 2048, "high": None, "xhigh": None}
+    assert want == EFFORT_BUDGETS and all(effort_budget(e) == b for e, b in want.items())
+    server = Server(r1, "toy")  # not started: its request preparation alone
+    for effort, budget in want.items():
+        body = ChatCompletionRequest(model="toy", messages=CHAT, reasoning_effort=effort)
+        params = server._thinking_budget(body, SamplingParams(max_tokens=8))
+        assert params.thinking_token_budget == budget, effort
+    # a request's own budget wins over its effort
+    body = ChatCompletionRequest(model="toy", messages=CHAT, reasoning_effort="minimal")
+    given = SamplingParams(max_tokens=8, thinking_token_budget=3)
+    assert server._thinking_budget(body, given).thinking_token_budget == 3
+
+
+def test_reasoning_effort_minimal_ends_a_longer_reasoning_at_128_tokens(r1_server, thinking):
+    """A bias keeps the random weights from ending the block themselves: without a budget
+    they think past 128 tokens; with reasoning_effort 'minimal' the end tag comes at 128."""
+    end = LLM(thinking, block_size=16, num_blocks=16).tokenizer.convert_tokens_to_ids(THINK_END)
+    body = {"model": "toy", "messages": CHAT, "max_tokens": 140, "temperature": 0,
+            "logit_bias": {str(end): -100}, "structured_outputs": {"regex": ANSWER_WORD},
+            "chat_template_kwargs": {"enable_thinking": True}, "logprobs": True,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+
+    def tokens(**extra) -> tuple[list[int], dict]:
+        out = _post(r1_server, {**body, **extra}).json()
+        choice = out["choices"][0]
+        return [int(t["token"][9:]) for t in choice["logprobs"]["content"]], out
+
+    free, out = tokens()
+    assert end not in free and out["choices"][0]["finish_reason"] == "length"
+    cut, out = tokens(reasoning_effort="minimal")
+    assert cut.index(end) == 128 and cut[:128] == free[:128]
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": 129}
+    assert re.fullmatch(ANSWER_WORD, out["choices"][0]["message"]["content"])
