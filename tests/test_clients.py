@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from runtime_glue.engine.llm import LLM
 from runtime_glue.engine.sampling import SamplingParams
+from tests.server_helpers import ServerProcess
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -276,11 +277,28 @@ def _offline_loglikelihood(local, context: str, continuation: str) -> float:
     return sum(out.prompt_logprobs[p][whole[p]].logprob for p in range(len(ctx), len(whole)))
 
 
+@pytest.fixture(scope="module")
+def depth_server(tiny_ckpt):
+    """Served with depth-wise batching and adaptive depth: a decode token may leave after any
+    loop, but a prompt row (what a loglikelihood scores) runs every loop."""
+    proc = ServerProcess(
+        tiny_ckpt, "--depth-batching", "--adaptive-depth", "--exit-threshold", "0.5"
+    )
+    yield proc
+    proc.stop()
+
+
 @_needs("lm_eval")
-@pytest.mark.parametrize("batch_size", [1, 2])
+@pytest.mark.parametrize("served, batch_size", [("server", 1), ("server", 2), ("depth_server", 2)])
 def test_lm_eval_multiple_choice_scores_with_the_offline_loglikelihoods(
-    server, local, tmp_path, batch_size
+    request, served, local, tmp_path, batch_size
 ):
+    """The loglikelihoods lm-eval reports are the offline ones bit for bit; with depth-wise
+    batching and adaptive depth too, where they are those of the same exit threshold with
+    every loop run (multiple choice scores prompt rows, which never leave early)."""
+    server = request.getfixturevalue(served)
+    if served == "depth_server":
+        local = LLM(local.model_dir, block_size=16, num_blocks=64, exit_threshold=0.5)
     _mc_task(tmp_path)
     cmd = [
         *(sys.executable, "-m", "lm_eval", "--model", "local-completions"),
@@ -312,7 +330,6 @@ def test_lm_eval_multiple_choice_scores_with_the_offline_loglikelihoods(
 def thinking_server(tmp_path_factory):
     """A Thinking-layout toy served with deepseek_r1's reasoning parser."""
     from runtime_glue.cli.main import main as cli
-    from tests.server_helpers import ServerProcess
 
     out = tmp_path_factory.mktemp("thinking") / "ckpt"
     assert cli(["toy-checkpoint", str(out), "--thinking"]) == 0

@@ -17,8 +17,9 @@ from pydantic import TypeAdapter
 
 from runtime_glue.cli.main import main as cli
 from runtime_glue.server.protocol import ApiError
+from runtime_glue.server.response_input import PASSED_ON, ResponsesRequest
 from runtime_glue.server.response_output import ResponseEvents
-from runtime_glue.server.responses import PASSED_ON, ResponsesRequest, ResponseStore, Stored
+from runtime_glue.server.responses import ResponseStore, Stored
 from tests.server_helpers import ServerProcess
 
 EVENTS = TypeAdapter(ResponseStreamEvent)

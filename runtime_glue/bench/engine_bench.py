@@ -447,6 +447,8 @@ def adaptive_depth(
     prompts = [_prompt(input_len, vocab, seed=i) for i in range(max(concurrency))]
     levels = {f"c{c}": prompts[:c] for c in concurrency}
     runs_of: dict[str, dict[str, list]] = {k: {v: [] for v in VARIANTS} for k in levels}
+    for variant in variants.values():  # untimed: the first touch of the weights, captures
+        variant.generate(prompts[:1], SamplingParams(max_tokens=2 * loops, ignore_eos=True))
     for _ in range(runs):
         for level, batch in levels.items():
             for name, variant in variants.items():

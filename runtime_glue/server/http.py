@@ -82,7 +82,7 @@ def unknown_field(param: str, path: str = "") -> str:
     if "." in param or "[" in param:
         return message
     from runtime_glue.server.protocol import ChatCompletionRequest, CompletionRequest
-    from runtime_glue.server.responses import CHAT_NAMES, ResponsesRequest
+    from runtime_glue.server.response_input import CHAT_NAMES, ResponsesRequest
 
     if path.startswith("/v1/responses"):
         if param in CHAT_NAMES:  # a chat request's field, which the Responses API names anew
