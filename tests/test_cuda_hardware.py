@@ -92,3 +92,26 @@ def test_cuda_step_graphs_keep_the_eager_engines_tokens(checkpoints):
     for a, b in zip(eager, graphs, strict=True):
         assert a.token_ids == b.token_ids
         assert (a.logits - b.logits).abs().max() < 0.05
+
+
+def test_cuda_depth_steps_replayed_keep_the_eager_depth_steps_tokens(checkpoints):
+    """Depth-wise steps replayed one after another (most sample no row, so nothing is read
+    back between them: each must have copied its inputs before the next overwrites the pinned
+    staging buffer), alone and batched, with and without exits: the eager depth steps' tokens
+    and exit loops."""
+    name = "gqa-h64-d32-L2-T4"
+    ckpt = checkpoints(name, **PARITY_CONFIGS[name])
+    prompts = [prompt_of(9 + 5 * s, seed=s) for s in range(3)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    for extra in ({}, dict(adaptive_depth=True, exit_threshold=0.5)):
+        base = dict(device="cuda", attention_backend="cuda_eager", block_size=16,
+                    deterministic=True, depth_batching=True, **extra)  # fmt: skip
+        eager = LLM(ckpt, num_blocks=64, step_graphs=False, **base)
+        graphs = LLM(ckpt, num_blocks=65, step_graphs=True, **base)  # one for padding rows
+        for batch in (prompts[:1], prompts):
+            want = eager.generate(batch, params)
+            got = graphs.generate(batch, params)
+            for a, b in zip(want, got, strict=True):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids, extra
+                assert a.outputs[0].exit_steps == b.outputs[0].exit_steps, extra
+        assert graphs.engine.graphs is not None and graphs.engine.graphs.stats["graph_steps"] > 0

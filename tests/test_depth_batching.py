@@ -1,7 +1,7 @@
-"""Depth-wise batching, milestone 1 (``--depth-batching``, issue 47, docs/depth-batching.md): a
-generated token runs one loop a step, beside prompt rows and other tokens at other loops in
-one pass over the layers (its attention shifted to its own loop's planes), its state carried
-between steps. Every loop still runs, so in deterministic mode (row-invariant kernels) the
+"""Depth-wise batching (``--depth-batching``, issue 47, docs/depth-batching.md): a generated
+token runs one loop a step, beside prompt rows and other tokens at other loops in one pass over
+the layers (its attention shifted to its own loop's planes), its states kept between steps in
+the engine's depth store (with ``--adaptive-depth`` it may leave after any loop). Every loop still runs, so in deterministic mode (row-invariant kernels) the
 tokens and logits are plain decoding's bit for bit, whatever the batch mix, on the cpu and
 the emulated npu (a CPU test double)."""
 
@@ -207,15 +207,33 @@ def test_a_planted_stale_carried_state_is_caught(gqa, monkeypatch):
 
 
 def test_every_token_frees_its_state_slot(tiny_ckpt):
-    """A slot of the store is held while its token is in flight: after a run with more
-    requests than slots (finished, preempted or not), none is held and every slot was used
-    by several tokens."""
+    """A slot of the store is held while its token is in flight: with two slots, the tokens of
+    five requests (one aborted part-way through a token) take turns in them, and when the run
+    ends none is held."""
     _, depth = _pair(tiny_ckpt, "cpu", max_num_seqs=2)
-    jobs = [(prompt_of(5 + i, seed=i), greedy(4)) for i in range(5)]
-    run(depth, jobs)
-    store = depth.engine.builder.depth
-    assert store is not None and store.held() == 0
-    assert depth.engine.stats["depth_rows"] == depth.config.total_ut_steps * 3 * len(jobs)
+    engine, store = depth.engine, depth.engine.builder.depth
+    taken: list[int] = []
+    real = store.token
+
+    def token(req):
+        fresh = req.depth is None
+        got = real(req)
+        if fresh:
+            taken.append(got.slot)
+        return got
+
+    store.token = token
+    for i in range(5):
+        engine.add_request(f"r{i}", prompt_of(5 + i, seed=i), greedy(4))
+    aborted = False
+    while engine.has_unfinished():
+        engine.step()
+        victim = engine.requests.get("r1")
+        midway = victim is not None and victim.depth is not None and victim.depth.loop > 0
+        if midway and not aborted:  # part-way through a token
+            aborted = engine.abort_request("r1")
+    assert aborted and store.held() == 0
+    assert set(taken) == {0, 1} and len(taken) > 2 * 2, taken  # every slot, several tokens each
 
 
 def test_metrics_count_the_loops_run_depth_wise(gqa):

@@ -114,7 +114,7 @@ class Engine:
         self.scheduler.device = device.torch_device
         early = None if speculative is None else speculative.loops
         depth = None
-        if config.depth_batching:
+        if config.depth_batching and cfg.total_ut_steps > 1:  # (one loop: no depth rows)
             depth = DepthStore(config.max_num_seqs, cfg.total_ut_steps, cfg.hidden_size,
                                model.embed.dtype, device.torch_device,
                                config.depth_exits)  # fmt: skip
@@ -143,7 +143,7 @@ class Engine:
         limits = group_limits(
             self.config.max_num_seqs,
             None if speculative is None else speculative.tokens,
-            self.config.depth_batching,
+            self.builder.depth is not None,
         )
         runner = StepGraphRunner(
             graphs, self.model, self.device, self.allocator, self.builder, limits,

@@ -38,8 +38,8 @@ class DepthStore:
         """``req``'s token in flight, or a new one at loop 0 in a free slot."""
         if req.depth is not None:
             return req.depth
-        for slot, held in enumerate(self._holders):
-            if held is None or held[0].depth is not held[1] or held[0].finished:
+        for slot in range(len(self._holders)):
+            if not self._held(slot):
                 token = DepthToken(slot=slot)
                 self._holders[slot] = (req, token)
                 req.depth = token
@@ -49,8 +49,13 @@ class DepthStore:
             "at most max_num_seqs depth rows"
         )
 
+    def _held(self, slot: int) -> bool:
+        """Whether ``slot``'s token is still in flight (else its holder is let go)."""
+        holder = self._holders[slot]
+        if holder is not None and (holder[0].depth is not holder[1] or holder[0].finished):
+            self._holders[slot] = holder = None
+        return holder is not None
+
     def held(self) -> int:
         """Slots held now (tests)."""
-        return sum(
-            h is not None and h[0].depth is h[1] and not h[0].finished for h in self._holders
-        )
+        return sum(self._held(slot) for slot in range(len(self._holders)))

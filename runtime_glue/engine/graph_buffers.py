@@ -9,9 +9,14 @@ depth row's state, the store's scratch slot); a real row's table entries past it
 repeat its first page (masked).
 
 A depth-wise step (``--depth-batching``) is its own shape: its rows, padded, each at its own
-loop (a row field), and the rows it samples (only those at their last loop), padded: one graph
-per row count and sample count whatever the loops. Its tokens' states stay in the store
-(``runtime_glue.engine.depth_store``), which the graph reads and writes in place.
+loop (a row field), and the rows it samples (those at their last loop or at a loop they may
+leave after), padded: one graph per row count and sample count whatever the loops (in the
+HF-exact and fast modes every pair its own graph, as every row count is). Its tokens' states
+stay in the store (``runtime_glue.engine.depth_store``), which the graph reads and writes in
+place. A graph computes every row's gate and fills the planes of every sampled row when tokens
+may leave; an eager step only where some row needs them: no output depends on the
+difference (a row that reads gates is gated at every step, and a filled plane of a row that
+stays is written again before anything reads it).
 """
 
 from __future__ import annotations
@@ -80,24 +85,28 @@ class StaticBuffers:
         self.kept_states = torch.zeros(v, E, H, dtype=model.embed.dtype, device=device)
         self.kept_gates = torch.zeros(v, E, dtype=model.embed.dtype, device=device)
         self.no_gates = torch.zeros(E, dtype=model.embed.dtype, device=device)  # kept none
-        groups = {"prompt": 0, "generated": g, "draft": d, "verify": v}
         rows = range(B)  # every row of a plain captured step is sampled, each its own entry
-        self.layout = step_layout(groups, groups, rows, model.cfg.total_ut_steps, early)
 
         def index(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
+        self.sample_rows = index(rows)  # (a depth-wise step's: every row, its one span)
+        if shape.samples is not None:  # a depth-wise step lays itself out (_depth_inputs)
+            return
+        groups = {"prompt": 0, "generated": g, "draft": d, "verify": v}
+        self.layout = step_layout(groups, groups, rows, model.cfg.total_ut_steps, early)
         self.span_index = [
             (index(s.rows), index(s.samples), index(s.sample_at)) for s in self.layout.spans
         ]
         self.kept_index = (index(self.layout.kept), index(self.layout.kept_samples))
-        self.sample_rows = index(rows)
 
     def load(self, values: list[int], host: HostStep | None) -> None:
         """This step's data into the static buffers, in place (the graph reads them there).
-        The previous step's copy has finished: its results were read back, which waited."""
+        The previous step's copy has finished: its results were read back, which waited; a
+        step that reads nothing back (a depth-wise step sampling no row) copies blocking, so
+        that the next load may overwrite the host staging buffer."""
         self.host.numpy()[:] = values
-        self.device.copy_(self.host, non_blocking=self.pin)
+        self.device.copy_(self.host, non_blocking=self.pin and self.shape.samples != 0)
         if host is not None and host.kept_states:
             n = len(host.kept_states)
             self.kept_states[:n].copy_(torch.stack(host.kept_states))
@@ -197,7 +206,7 @@ def _depth_inputs(buf: StaticBuffers, whole: KVAddressing) -> StepInputs:
         prompt_samples=0,
         max_position=0,
         exits=rule,
-        host_sample_rows=tuple(range(S)),
+        host_sample_rows=tuple(range(S)),  # (read for its length: the sampled rows' count)
         spans=(span,),
         depth=depth,
     )
@@ -230,7 +239,8 @@ def stage(
         n = host.groups[group]
         for i in range(start, start + n):
             real.append(padded + i - start)
-            r = sampled.get(i)  # a depth row is sampled only at its last loop
+            r = sampled.get(i)  # a depth row: only at its last loop or one it may leave after
+            assert r is not None or shape.samples is not None, "a plain step samples every row"
             exit_rule = (last, 0, 0) if r is None else (rule[0][r], rule[1][r], rule[2][r])
             slot, loop = depth.get(i, (scratch_slot, 0))
             p = host.positions[i]

@@ -218,15 +218,20 @@ class StepGraphRunner:
             at = offsets[:rows][:: -1 if permute else 1]  # every offset in the step
             plan = []
             for j in range(rows):
-                mode = modes[j % len(modes)] if permute else ExitMode()
-                req = _decode_row(ids[j], at[j] % bs, self.scratch[at[j] // bs], mode)
-                made.append(req)
                 if store is None:
+                    mode = modes[j % len(modes)] if permute else ExitMode()
+                    req = _decode_row(ids[j], at[j] % bs, self.scratch[at[j] // bs], mode)
                     plan.append(Scheduled(req=req, n=1))
-                    continue
-                loop = (rows - 1 - j if permute else j) % T  # the same loops in another order
-                store.token(req).loop = loop  # a token at every loop, each its own slot
-                plan.append(Scheduled(req=req, n=1, loop=loop, finishing=loop == T - 1))
+                else:  # a token at every loop, each its own slot, the same loops and rules
+                    loop = (rows - 1 - j if permute else j) % T  # in another order
+                    mode = modes[loop % len(modes)]
+                    req = _decode_row(ids[j], at[j] % bs, self.scratch[at[j] // bs], mode)
+                    store.token(req).loop = loop
+                    last = loop == T - 1  # a threshold row may leave where tokens may
+                    leaves = store.exits and mode.kind == "threshold" and not last
+                    plan.append(Scheduled(req=req, n=1, loop=loop, finishing=last,
+                                          may_exit=leaves))  # fmt: skip
+                made.append(req)
             return self.builder.build(plan)
 
         label = f"at {rows} {'depth-wise ' if store else ''}row(s) x 1 block"

@@ -12,7 +12,8 @@ lay out the same rows differently. Rows are ordered prompt | generated | draft |
   it holds nothing else: every row runs one pass over the layers (loop 0, where a depth row's
   attention is shifted to its own loop's planes), then the prompt and generated rows run
   loops 1 .. T-1. Depth rows at the last loop (or, under adaptive depth, at a loop they may
-  leave after) are sampled; their earlier loops' states were kept (``StepLayout.kept``).
+  leave after) are sampled (``StepLayout.kept``: their earlier loops' states are read from the
+  depth store, ``runtime_glue.engine.depth_store``).
 
 Every index list is ascending, a span's rows and its samples alike.
 """
@@ -38,7 +39,7 @@ class SpanLayout:
 @attrs.frozen(kw_only=True)
 class StepLayout:
     spans: tuple[SpanLayout, ...]  # at least one
-    kept: tuple[int, ...]  # verify rows: they start from the states their drafts kept ...
+    kept: tuple[int, ...]  # verify rows (their drafts' kept states), or sampled depth rows ...
     kept_samples: tuple[int, ...]  # ... and their sampled-row indices
 
 

@@ -19,8 +19,8 @@ from hal.types import KVAddressing
 
 def fill_skipped_planes(model, kv: KVAddressing, row: int, t: int) -> None:
     """Row ``row``'s loop-``t`` K/V into its slots of every later loop, at every layer (``kv``:
-    the row's addressing as a plain step has it). Adaptive depth's fill, and depth-wise
-    batching's for a token that leaves after loop ``t`` (``runtime_glue.engine.core``)."""
+    the row's addressing as a plain step has it). Adaptive depth's fill (depth-wise batching
+    fills inside its step: ``OuroModel._depth_fill``)."""
     src = kv.write_slots(t)[row : row + 1]
     for later in range(t + 1, model.cfg.total_ut_steps):
         dst = kv.write_slots(later)[row : row + 1]
