@@ -56,6 +56,18 @@ def _stream_events(base: str, body: dict, events: list, started: threading.Event
                 started.set()
 
 
+def _wait_running(base: str, n: int, timeout: float = 30.0) -> None:
+    """Until the server's /metrics counts ``n`` requests running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(base + "/metrics", timeout=10).text
+        running = [line for line in text.splitlines() if line.startswith("rlt_hal_running_")]
+        if running and float(running[0].split()[-1]) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests never ran at once: {running}")
+
+
 def test_sigterm_answers_requests_still_running_at_the_timeout_with_an_openai_503(tiny_ckpt):
     proc = ServerProcess(tiny_ckpt, "--shutdown-timeout", "1", "--max-num-seqs", "2")
     long = {**SHORT, "max_tokens": 1000, "ignore_eos": True}
@@ -77,6 +89,7 @@ def test_sigterm_answers_requests_still_running_at_the_timeout_with_an_openai_50
     for t in threads:
         t.start()
     assert started.wait(30)
+    _wait_running(proc.base, 2)  # the plain request too (it may connect after the stream)
     # A tiny model on 2 cores makes about 1000 tokens in more than the 1 s it is given.
     assert proc.stop(signal.SIGTERM) == 0
     for t in threads:
