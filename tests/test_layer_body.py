@@ -36,6 +36,16 @@ def test_the_exact_add_rms_norm_is_hfs_residual_add_then_each_row_kinds_own_norm
     assert torch.equal(normed[3:], hf_norm(want)[3:] * 2)  # generated rows: theirs
 
 
+def test_a_fast_plan_without_a_fused_add_rms_norm_adds_then_runs_its_own_norm(tiny_ckpt):
+    """On cpu (no fused add_rms_norm) the fast plan records torch's; the loop then runs HF's
+    add and the plan's own (fastest) norm, not HF's norm composition of a dozen ops."""
+    from runtime_glue.engine.llm import LLM
+
+    fast = LLM(tiny_ckpt, device="cpu", mode="fast", block_size=16, num_blocks=8)
+    assert dict(fast.plan.fused)["add_rms_norm"] == "torch"
+    assert fast.model.kernels.add_rms_norm is add_then_norm
+
+
 def test_the_exact_rotary_is_hfs_in_bits_and_in_the_layout_attention_gets():
     gen = torch.Generator().manual_seed(1)
     n, heads, kv_heads, d = 5, 4, 2, 16

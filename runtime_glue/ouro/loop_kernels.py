@@ -79,7 +79,10 @@ class LoopKernels:
         silu_mul = driver.kernel("silu_mul", plan.choice("prompt", "silu_mul").kernel).fn
         fused = dict(plan.fused)  # the driver's kernels of these ops, where the plan runs one
         add_rms_norm, rotary = add_then_norm, hf_rotary
-        if "add_rms_norm" in fused:
+        # Without a fused kernel (torch's), the add then the plan's own norm: HF's composition
+        # where the plan's norm is torch's, and the faster norm where it is not (fast mode on
+        # a driver with no fused add_rms_norm, e.g. cpu).
+        if fused.get("add_rms_norm", "torch") != "torch":
             add_rms_norm = on_every_row(driver.kernel("add_rms_norm", fused["add_rms_norm"]).fn)
         if "rotary" in fused:
             rotary = driver.kernel("rotary", fused["rotary"]).fn

@@ -29,7 +29,8 @@ Modes:
   ``--mode fast`` the driver's fused kernels and fused attention backend, each admitted only
   after a comparison on this device at this model's shapes (``runtime_glue.ouro.admission``);
   the plan records every verdict (``ExecutionPlan.admissions``) and ``fused`` names the
-  kernels of the fused-only ops (``add_rms_norm``, ``rotary``), torch's where refused.
+  kernels of the fused-only ops (``add_rms_norm``, ``rotary``), torch's where refused (for
+  ``add_rms_norm``: HF's add, then the plan's own ``rms_norm``).
 
 A deterministic or fast plan also runs the rotary embedding as one kernel where the driver
 offers one with HF's bits for every call (``exact_rotary``): the same bits as the composition
