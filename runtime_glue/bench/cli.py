@@ -265,7 +265,7 @@ def cmd_plans(args) -> int:
 
 
 def cmd_adaptive(args) -> int:
-    from runtime_glue.bench.engine_bench import adaptive_depth, markdown_adaptive
+    from runtime_glue.bench.adaptive_bench import adaptive_depth, markdown_adaptive
 
     most = max(args.concurrency)
     tokens = most * (args.input_len + args.output_len + args.block_size)
