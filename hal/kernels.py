@@ -69,6 +69,15 @@ class Kernel:
 
     ``check()`` raises :class:`KernelUnavailable` when the kernel cannot run here (a missing
     compiler, an instruction set this CPU lacks); it may build the kernel on first use.
+
+    ``into`` (optional): the kernel bound once to its constant operands, for a caller that
+    owns its buffers (``runtime_glue.ouro.bound_loop``). ``into(*consts)`` checks them and
+    returns ``call(out, x)``, which writes ``fn(x, *consts)`` for every row of ``x`` into the
+    first rows of ``out``, with the same bits and no checks or allocation of its own (linear:
+    ``into(weight)``; rms_norm: ``into(weight, eps)``; silu_mul: ``into()``, then
+    ``call(out, gate_up)`` on the halves of gate|up rows; rotary: ``into()``, then
+    ``call((q_out, k_out), q, k, cos, sin)``). Both tensors are 2-D with contiguous rows (rotary:
+    ``fn``'s shapes).
     """
 
     op: str = attrs.field(validator=attrs.validators.in_(OPS))
@@ -90,6 +99,7 @@ class Kernel:
     description: str = ""
     # Changes whenever the kernel's code does: it keys the execution plan's cached timings.
     version: str = ""
+    into: Callable[..., Callable[..., None]] | None = None
 
     def available(self) -> str | None:
         """None when the kernel can run here, else why not."""

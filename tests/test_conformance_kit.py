@@ -164,8 +164,19 @@ def one_rounding(q, k, cos, sin):
     return turn(q), turn(k)
 
 
+def off_by_a_row(w):
+    """A bound form (Kernel.into) that reads the weight's rows shifted by one."""
+    shifted = w.roll(1, 0)
+
+    def call(out, x):
+        out[: x.shape[0]] = F.linear(x, shifted)
+
+    return call
+
+
 KERNELS = [
     Kernel("rotary", "oneround", one_rounding, hf_exact=True),
+    Kernel("linear", "boundwrong", F.linear, into=off_by_a_row),
     Kernel("linear", "tailless", tailless),
     Kernel("linear", "widthwise", widthwise, column_invariant=True),
     Kernel("linear", "batchwise", batchwise, row_invariant=True),
@@ -190,7 +201,8 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     """Planted bugs: a leaky mask, a dropped K tail, a zeroed stacked column, a row summed
     differently in one call shape, an int4 kernel reading a wrong group's scale, a W8A8
     static kernel that drops quant_bias, a rotary kernel that claims HF's bits but rounds
-    once, and an attention backend that claims them but moves a row by an ulp."""
+    once, a bound linear (Kernel.into) that reads the wrong rows, and an attention backend that
+    claims HF's bits but moves a row by an ulp."""
     (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
     dist = tmp_path / "leaky_driver-0.1.dist-info"
     dist.mkdir()
@@ -206,4 +218,5 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     assert "wronggroup (group 32): 1x256 @ 256x96 exceeds the bound" in proc.stdout
     assert "biasless (group None): 1x256 @ 256x96 exceeds the bound" in proc.stdout
     assert "AssertionError: rotary oneround" in proc.stdout
+    assert "linear boundwrong: bound form, 1 rows" in proc.stdout
     assert "nudged: logits differ from cpu (twice)" in proc.stdout

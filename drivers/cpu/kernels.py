@@ -162,6 +162,68 @@ def _linear(name: str, x: Tensor, w: Tensor) -> Tensor:
     return out if flat else out.view(*x.shape[:-1], n)
 
 
+def bound_linear(name: str, operands: tuple[Tensor, ...], *ints: int):
+    """``Kernel.into``'s call for the C linear ``rlt_NAME(x, *operands, out, M, *ints)``:
+    the operands' addresses taken once, the call's own cost a few hundred nanoseconds (a
+    wrapper's checks and its output's allocation cost several microseconds, a decode row's
+    rms_norm about as much as the C kernel)."""
+    kernel = getattr(library()[1], f"rlt_{name}")
+    addresses = tuple(t.data_ptr() for t in operands)
+
+    def call(out: Tensor, x: Tensor) -> None:
+        if kernel(x.data_ptr(), *addresses, out.data_ptr(), x.shape[0], *ints):
+            raise MemoryError(f"{name}: no scratch memory for {x.shape[0]} x {x.shape[1]}")
+
+    call.operands = operands  # type: ignore[attr-defined]  # alive as long as the call
+    return call
+
+
+def _linear_into(name: str):
+    def into(w: Tensor):
+        _bf16_cpu(name, w)
+        if w.dim() != 2 or not w.is_contiguous():
+            raise TypeError(f"{name} binds a contiguous [N, K] weight")
+        return bound_linear(name, (w,), *w.shape)
+
+    return into
+
+
+def _rms_norm_into(weight: Tensor, eps: float):
+    _bf16_cpu("rms_norm", weight)
+    weight, n, kernel = weight.contiguous(), weight.shape[0], library()[1].rlt_rms_norm
+    w = weight.data_ptr()
+
+    def call(out: Tensor, x: Tensor) -> None:
+        kernel(x.data_ptr(), w, out.data_ptr(), x.shape[0], n, eps)
+
+    call.operands = (weight,)  # type: ignore[attr-defined]
+    return call
+
+
+def _silu_mul_into():
+    kernel = library()[1].rlt_silu_mul
+
+    def call(out: Tensor, gate_up: Tensor) -> None:
+        half = gate_up.shape[1] // 2
+        gate = gate_up.data_ptr()
+        kernel(gate, gate + 2 * half, gate_up.stride(0), out.data_ptr(), gate_up.shape[0], half)
+
+    return call
+
+
+def _rotary_into():
+    kernel = library()[1].rlt_rotary
+
+    def call(outs: tuple[Tensor, Tensor], q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
+        n, hq, d = q.shape
+        kernel(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
+            cos.stride(0), outs[0].data_ptr(), outs[1].data_ptr(), n, hq, k.shape[1], d,
+        )  # fmt: skip
+
+    return call
+
+
 def custom_op(qualname: str, fake):
     """``fn`` as the custom op ``qualname`` (``fake``: its fake implementation), called
     directly where nothing needs the op: torch's Python dispatch of a custom op costs 30-60
@@ -338,6 +400,7 @@ KERNELS = (
         check=_loaded,
         version=VERSION,
         description="csrc/linear_avx2.c: fp32 FMA sums over bf16 widened in registers",
+        into=_linear_into("linear_avx2"),
     ),
     Kernel(
         "linear",
@@ -348,6 +411,7 @@ KERNELS = (
         check=avx512bf16_available,
         version=VERSION,
         description="csrc/linear_avx512bf16.c: vdpbf16ps dot products",
+        into=_linear_into("linear_avx512bf16"),
     ),
     Kernel(
         "rms_norm",
@@ -357,6 +421,7 @@ KERNELS = (
         check=_loaded,
         version=VERSION,
         description="csrc/rms_norm.c: HF's roundings, fixed-order sum of squares",
+        into=_rms_norm_into,
     ),
     Kernel(
         "silu_mul",
@@ -366,6 +431,7 @@ KERNELS = (
         check=_loaded,
         version=VERSION,
         description="csrc/silu_mul.c: HF's roundings, one exp code path for every element",
+        into=_silu_mul_into,
     ),
     Kernel(
         "rotary",
@@ -376,5 +442,6 @@ KERNELS = (
         check=_loaded,
         version=VERSION,
         description="csrc/rotary.c: HF's three roundings, elementwise",
+        into=_rotary_into,
     ),
 )

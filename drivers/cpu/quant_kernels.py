@@ -41,6 +41,7 @@ from drivers.cpu.kernels import (
     _bf16_cpu,
     _loaded,
     _ptr,
+    bound_linear,
     custom_op,
     library,
     linear_avx2,
@@ -381,13 +382,58 @@ def int4_torch(x: Tensor, w: QuantizedWeight) -> Tensor:
     return _rows_2d(call, x, w.in_features)
 
 
+# -- Kernel.into: each C kernel's operands as its wrapper passes them (tensors, then ints) ---
+
+
+def _plain(w: QuantizedWeight):
+    return (w.qweight, w.scale), (w.shape[0], w.in_features)
+
+
+def _full(w: QuantizedWeight):
+    return (w.qweight, w.scale), (w.shape[0], w.in_features, int(_holds_min(w)))
+
+
+def _token(w: QuantizedWeight):
+    if w.in_features > TOKEN_MAX_K:
+        raise ValueError(f"int8-token sums in int32: K {w.in_features} > {TOKEN_MAX_K}")
+    return _full(w)
+
+
+def _grouped(w: QuantizedWeight):
+    return (w.qweight, w.scale), (w.shape[0], w.in_features, w.group_size)
+
+
+def _grouped_full(w: QuantizedWeight):
+    (q, s), ints = _grouped(w)
+    return (q, s), (*ints, int(_holds_min(w)))
+
+
+def _octets(w: QuantizedWeight):
+    return w.form("int4-octets", int4_octets), (w.shape[0], w.in_features, w.group_size)
+
+
+def _into(c_name: str, operands):
+    def into(w: QuantizedWeight):
+        tensors, ints = operands(w)
+        return bound_linear(c_name, tensors, *ints)
+
+    return into
+
+
 def _own(
-    name: str, fn, scheme: str, description: str, activations: str = "bf16", check=_loaded
+    name: str,
+    fn,
+    scheme: str,
+    description: str,
+    activations: str = "bf16",
+    check=_loaded,
+    into=None,
 ) -> Kernel:
     """One of the driver's own C kernels: row- and column-invariant by construction."""
     return Kernel(
         "linear", name, fn, row_invariant=True, column_invariant=True, scheme=scheme,
         activations=activations, check=check, version=VERSION, description=description,
+        into=into,
     )  # fmt: skip
 
 
@@ -397,18 +443,21 @@ KERNELS = (
         int8_avx2,
         "int8",
         "csrc/linear_quant_avx2.c: int8 widened in registers, fp32 FMA sums, scaled",
+        into=_into("linear_int8_avx2", _plain),
     ),
     _own(
         "int8g-avx2",
         int8g_avx2,
         "int8g",
         "csrc/linear_quant_avx2.c: int8 dequantized per group in registers, fp32 FMA",
+        into=_into("linear_int8g_avx2", _grouped),
     ),
     _own(
         "int4-avx2",
         int4_avx2,
         "int4",
         "csrc/linear_quant_avx2.c: int4 dequantized exactly in registers, fp32 FMA",
+        into=_into("linear_int4_avx2", _grouped),
     ),
     _own(
         "int8-a8-avx2",
@@ -416,6 +465,7 @@ KERNELS = (
         "int8",
         "csrc/linear_a8_avx2.c: W8A8, x quantized per 32, int8 dot products",
         "int8",
+        into=_into("linear_int8_a8_avx2", _full),
     ),
     _own(
         "int8-token-avx2",
@@ -423,6 +473,7 @@ KERNELS = (
         "int8",
         "csrc/linear_a8_avx2.c: W8A8 dynamic, x quantized per token, exact int32 sums",
         "int8-token",
+        into=_into("linear_int8_token_avx2", _token),
     ),
     _own(
         "int8g-a8-avx2",
@@ -430,6 +481,7 @@ KERNELS = (
         "int8g",
         "csrc/linear_a8_avx2.c: W8A8 on int8 per group, x quantized per 32, int8 dot products",
         "int8",
+        into=_into("linear_int8g_a8_avx2", _grouped_full),
     ),
     _own(
         "int4-a8-avx2",
@@ -437,6 +489,7 @@ KERNELS = (
         "int4",
         "csrc/linear_a8_avx2.c: W4A8 on rows repacked by eights, x quantized per 32, int8 dots",
         "int8",
+        into=_into("linear_int4_a8_avx2", _octets),
     ),
     _own(
         "int8z-avx2",
@@ -453,12 +506,13 @@ KERNELS = (
             "dot products (vpdpbusd), the same bits",
             activations,
             vnni_available,
+            _into(c_name, operands),
         )
-        for name, fn, scheme, activations in (
-            ("int8-a8", int8_a8_vnni, "int8", "int8"),
-            ("int8-token", int8_token_vnni, "int8", "int8-token"),
-            ("int8g-a8", int8g_a8_vnni, "int8g", "int8"),
-            ("int4-a8", int4_a8_vnni, "int4", "int8"),
+        for name, fn, scheme, activations, c_name, operands in (
+            ("int8-a8", int8_a8_vnni, "int8", "int8", "linear_int8_a8_vnni", _full),
+            ("int8-token", int8_token_vnni, "int8", "int8-token", "linear_int8_token_vnni", _token),
+            ("int8g-a8", int8g_a8_vnni, "int8g", "int8", "linear_int8g_a8_vnni", _grouped_full),
+            ("int4-a8", int4_a8_vnni, "int4", "int8", "linear_int4_a8_vnni", _octets),
         )
     ),  # fmt: skip
     Kernel(

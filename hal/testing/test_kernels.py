@@ -7,6 +7,8 @@ invariance, column invariance on stacked weights) held exactly."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -251,3 +253,50 @@ def test_kernels_that_claim_column_invariance_give_the_same_bits_on_stacked_weig
             parts = [w.rows(0, 96), w.rows(96, 133), w.rows(133, 170)]  # stacked q|k|v
             separate = torch.cat([kernel.fn(x, p) for p in parts], dim=-1)
             assert torch.equal(kernel.fn(x, w), separate), f"{kernel.name}: {m} rows"
+
+
+def test_every_bound_kernel_gives_its_kernels_bits(driver):
+    """``Kernel.into`` (a kernel bound to its constants, writing into the caller's buffer: the
+    runtime's bound decode loop calls it in place of ``fn``) gives ``fn``'s bits, on row counts
+    of decode steps and odd ones, adversarial rows and every scheme and group size, with the
+    output's extra rows left as they were."""
+    dev = driver.device.torch_device
+    gen = torch.Generator().manual_seed(18)
+    x = adversarial_rows(13, 256, gen).to(dev)
+    w = adversarial_weight(37, 256, gen).to(dev)
+    cases: list[tuple[str, Any, tuple, Callable]] = [
+        ("linear", k, (w,), lambda fn, rows, c: fn(rows, *c)) for k in _kernels(driver, "linear")
+    ]
+    cases += [
+        ("rms_norm", k, (w[0], 1e-6), lambda fn, rows, c: fn(rows, *c))
+        for k in _kernels(driver, "rms_norm")
+    ]
+    cases += [
+        ("silu_mul", k, (), lambda fn, rows, c: fn(rows[:, :128], rows[:, 128:]))
+        for k in _kernels(driver, "silu_mul")
+    ]
+    for scheme, group, kernel in _quantized(driver):
+        qw = _for(kernel, _on(adversarial_qweight(37, 256, scheme, group, gen), dev), gen)
+        cases.append((f"{scheme} (group {group})", kernel, (qw,), lambda fn, rows, c: fn(rows, *c)))
+    for what, kernel, consts, call in cases:  # a driver need not bind any kernel
+        if kernel.into is None:
+            continue
+        bound = kernel.into(*consts)
+        for m in (1, 2, 3, 5, 8, 13):
+            rows = x[:m].contiguous()
+            want = call(kernel.fn, rows, consts)
+            out = torch.full((m + 2, want.shape[1]), 7.0, dtype=want.dtype, device=dev)
+            bound(out, rows)
+            assert torch.equal(out[:m], want), f"{what} {kernel.name}: bound form, {m} rows"
+            assert (out[m:] == 7.0).all(), f"{what} {kernel.name}: wrote past its {m} rows"
+    for kernel in _kernels(driver, "rotary"):
+        if kernel.into is None:
+            continue
+        for n, hq, hk, d in ((1, 4, 4, 64), (5, 4, 2, 32), (3, 3, 1, 20)):
+            qkv = rand_bf16(n, (hq + 2 * hk) * d, gen=gen, scale=3.0).to(dev)
+            q, k = qkv[:, : hq * d].view(n, hq, d), qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
+            cos, sin = rand_bf16(n, d, gen=gen).to(dev), rand_bf16(n, d, gen=gen).to(dev)
+            want = kernel.fn(q, k, cos, sin)
+            got = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+            kernel.into()(got, q, k, cos, sin)
+            assert all(map(torch.equal, got, want)), f"rotary {kernel.name}: bound form, {n} rows"

@@ -38,6 +38,7 @@ from hal.graphs import StaticDecodeMetadata, context_bucket
 from hal.interfaces import Driver, KVStore
 from hal.types import KVAddressing
 from runtime_glue.ouro.adaptive import Adaptive
+from runtime_glue.ouro.bound_loop import bound_loop
 from runtime_glue.ouro.config import OuroConfig
 from runtime_glue.ouro.exits import exit_pdf
 from runtime_glue.ouro.loop_kernels import LoopKernels, RowOps
@@ -126,6 +127,9 @@ class OuroModel:
         self._cos = self._sin = torch.empty(1, 0, d, dtype=self.embed.dtype, device=device)
         self.scaling = d**-0.5
         self.recorder: Recorder | None = None
+        # Decode-sized calls with every kernel bound once, where the driver's kernels can be
+        # (the per-op bits, less host work); None: every call per op.
+        self.bound = bound_loop(self, driver)
 
     def rope(self, positions: torch.Tensor, max_position: int):
         """cos, sin ``[1, N, d]``: angles in fp32, cast to bf16 last, as HF computes them.
@@ -179,6 +183,8 @@ class OuroModel:
         """Loop ``t``: every layer, then the final norm. Each residual add runs with the norm
         after it (``RowOps.add_rms_norm``): the layer's post-attention norm, the next layer's
         input norm or, after the last layer, the loop's final norm (the next loop's state)."""
+        if self.bound is not None and self.bound.runs(h.shape[0], rows):
+            return self.bound.loop(t, h, cos, sin, kv)
         eps, layers = self.cfg.rms_norm_eps, self.layers
         x = rows("rms_norm", h, layers[0].ln, eps)
         cos, sin = cos[0], sin[0]  # [N, d]
