@@ -30,8 +30,16 @@ PLANS = {
     "bf16": {"linear": "avx2"},
     "fast": {"mode": "fast", "linear": "avx2"},
     "int8": {"quantization": "int8", "linear": "int8-avx2"},
-    "int8-w8a8": {"quantization": "int8", "linear": "int8-a8-avx2", "quantize_activations": "block"},
-    "int8-token": {"quantization": "int8", "linear": "int8-token-avx2", "quantize_activations": "token"},
+    "int8-w8a8": {
+        "quantization": "int8",
+        "linear": "int8-a8-avx2",
+        "quantize_activations": "block",
+    },
+    "int8-token": {
+        "quantization": "int8",
+        "linear": "int8-token-avx2",
+        "quantize_activations": "token",
+    },
     "int8g-64": {"quantization": "int8g", "quantization_group_size": 64, "linear": "int8g-avx2"},
     "int4-32": {"quantization": "int4", "quantization_group_size": 32, "linear": "int4-avx2"},
     "int4-128-w4a8": {

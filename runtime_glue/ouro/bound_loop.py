@@ -166,7 +166,9 @@ class BoundLoop:
                     "qo": (m, heads, d), "ko": (m, kvh, d), "o": (m, heads * d),
                     "a": (m, h), "a2": (m, h), "gate_up": (m, 2 * i), "act": (m, i), "m": (m, h),
                 }  # fmt: skip
-                self._buffers[m] = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
+                self._buffers[m] = {
+                    k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()
+                }
             views = self._views[n] = Views(self._buffers[m], n, heads, kvh, d)
         return views
 
@@ -194,7 +196,9 @@ class BoundLoop:
                 query = q.transpose(0, 1)[None]
             plane, meta = kv.plane(t, li), kv.meta(t)
             backend.write_kv(store, plane, k, v.v, meta)
-            v.o.copy_(backend.forward(query, plane, store, meta, scaling, deterministic=deterministic))
+            v.o.copy_(
+                backend.forward(query, plane, store, meta, scaling, deterministic=deterministic)
+            )
             _run(o_proj, bound["o_proj"], b["a"], b["o"], n)
             _run(norm, bound["ln_2"], b["a2"], b["a"], n)
             v.h.add_(v.a2)
