@@ -7,7 +7,8 @@ or raise NotImplementedError. Nothing here imports a driver or the runtime.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -173,6 +174,27 @@ class AttentionBackend(abc.ABC):
         """Store a step's ``key``/``value`` rows ``[N, kv_heads, d]`` at ``meta.slot_mapping``
         (a backend with a fused cache write of its own overrides this)."""
         kv.write(plane, key, value, meta.slot_mapping)
+
+    def bind(self, kv: KVStore, meta, scaling: float, deterministic: bool) -> BoundAttention:
+        """One loop's K/V writes and attention over ``kv`` with ``meta``, bound once for the
+        planes a loop calls them on (a runtime's bound decode loop). By default this
+        backend's ``write_kv`` and ``forward``; a backend may bind its own kernels, with the
+        same bits."""
+
+        def attend(query: torch.Tensor, plane: int, out: torch.Tensor) -> None:
+            out.copy_(self.forward(query, plane, kv, meta, scaling, deterministic=deterministic))
+
+        return BoundAttention(lambda plane, k, v: self.write_kv(kv, plane, k, v, meta), attend)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundAttention:
+    """``AttentionBackend.bind``: ``write(plane, key, value)`` as ``write_kv`` and
+    ``attend(query, plane, out)``, which writes ``forward``'s ``[N, heads * d]`` into ``out``."""
+
+    write: Callable[[int, torch.Tensor, torch.Tensor], None]
+    attend: Callable[[torch.Tensor, int, torch.Tensor], None]
+    operands: tuple = ()  # what the calls read by address, kept alive as long as they are
 
 
 class Driver:

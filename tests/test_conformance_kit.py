@@ -109,6 +109,16 @@ class NudgedBackend(EagerBackend):
         return out
 
 
+class MisboundBackend(EagerBackend):
+    """Correct, except that its bound form (AttentionBackend.bind) writes K/V a plane late."""
+    name = "misbound"
+
+    def bind(self, kv, meta, scaling, deterministic):
+        bound = super().bind(kv, meta, scaling, deterministic)
+        late = lambda plane, k, v: bound.write((plane + 1) % kv.layout.num_planes, k, v)
+        return type(bound)(late, bound.attend)
+
+
 def tailless(x, w):
     """Drops K's tail beyond a multiple of 8."""
     k = x.shape[-1] // 8 * 8
@@ -189,7 +199,9 @@ KERNELS = [
 def rlt_hal_register_drivers():
     def make(**_):
         return CpuDriver(
-            "leaky", CpuDevice(), {"nudged": NudgedBackend(), "leaky": LeakyBackend()}, "leaky",
+            "leaky", CpuDevice(),
+            {"nudged": NudgedBackend(), "leaky": LeakyBackend(), "misbound": MisboundBackend()},
+            "leaky",
             KERNELS,
         )
 
@@ -201,8 +213,8 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     """Planted bugs: a leaky mask, a dropped K tail, a zeroed stacked column, a row summed
     differently in one call shape, an int4 kernel reading a wrong group's scale, a W8A8
     static kernel that drops quant_bias, a rotary kernel that claims HF's bits but rounds
-    once, a bound linear (Kernel.into) that reads the wrong rows, and an attention backend that
-    claims HF's bits but moves a row by an ulp."""
+    once, a bound linear (Kernel.into) that reads the wrong rows, an attention backend whose
+    bound form writes a plane late, and one that claims HF's bits but moves a row by an ulp."""
     (tmp_path / "leaky_driver.py").write_text(textwrap.dedent(BROKEN))
     dist = tmp_path / "leaky_driver-0.1.dist-info"
     dist.mkdir()
@@ -219,4 +231,5 @@ def test_a_driver_that_leaks_future_positions_or_breaks_its_linear_claims_fails_
     assert "biasless (group None): 1x256 @ 256x96 exceeds the bound" in proc.stdout
     assert "AssertionError: rotary oneround" in proc.stdout
     assert "linear boundwrong: bound form, 1 rows" in proc.stdout
+    assert "misbound (deterministic=False) plane 0: bound attention differs" in proc.stdout
     assert "nudged: logits differ from cpu (twice)" in proc.stdout

@@ -118,6 +118,21 @@ class CpuEagerBackend(EagerBackend):
         keys, values = kv.rows(kv.key_cache, plane), kv.rows(kv.value_cache, plane)
         return kernels.paged_attention(query, keys, values, rows.slots, rows.off, rows.len, scaling)
 
+    def bind(self, kv, meta, scaling, deterministic):
+        """The C write and attention called directly (``kernels.bound_attention``), where
+        ``forward`` and ``kv.write`` would call them: a deterministic step over a
+        ``CpuKVStore`` with int64 slots."""
+        slots = meta.slot_mapping
+        if not (
+            deterministic and isinstance(kv, CpuKVStore) and kv.uses_kernel() and self._use_kernel()
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.is_cpu
+            and kv.key_cache.dtype == torch.bfloat16
+        ):  # fmt: skip
+            return super().bind(kv, meta, scaling, deterministic)
+        if self._rows is None or self._rows[0] is not meta:
+            self._rows = (meta, RowContexts.of(meta))
+        return kernels.bound_attention(kv.key_cache, kv.value_cache, slots, self._rows[1], scaling)
+
 
 class CpuKVStore(TensorKVStore):
     """The paged cache in host memory; a step's K/V rows are written by one C call
@@ -127,9 +142,13 @@ class CpuKVStore(TensorKVStore):
         super().__init__(layout, device)
         self._kernel: bool | None = None
 
-    def write(self, plane, key, value, slots):
+    def uses_kernel(self) -> bool:
         if self._kernel is None:
             self._kernel = _kernels_load("K/V rows are written by index_put_")
+        return self._kernel
+
+    def write(self, plane, key, value, slots):
+        self.uses_kernel()
         k_rows, v_rows = self.rows(self.key_cache, plane), self.rows(self.value_cache, plane)
         if not (self._kernel and kernels.write_kv(key, value, slots, k_rows, v_rows)):
             super().write(plane, key, value, slots)

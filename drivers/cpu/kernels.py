@@ -331,6 +331,46 @@ def write_kv(key: Tensor, value: Tensor, slots: Tensor, k_rows: Tensor, v_rows: 
     return True
 
 
+def bound_attention(key_cache: Tensor, value_cache: Tensor, slots: Tensor, rows, scaling: float):
+    """``AttentionBackend.bind`` on the cpu: ``write_kv`` and ``paged_attention`` called on a
+    plane's address (``TensorKVStore.rows``' first row) with the checks they make done once:
+    caches ``[planes, slots, kv_heads, d]`` bf16 contiguous, ``slots`` int64 (the step's
+    ``slot_mapping``), ``rows`` its ``RowContexts``. Keys and values come as the model's
+    loop makes them: bf16 ``[N, kv_heads, d]`` with each row's heads contiguous; queries
+    ``[1, heads, N, d]`` with d contiguous."""
+    from hal.interfaces import BoundAttention
+
+    planes, num_slots, kv_heads, d = key_cache.shape
+    plane_bytes, lib = num_slots * kv_heads * d * key_cache.itemsize, library()[1]
+    keys, values, n = key_cache.data_ptr(), value_cache.data_ptr(), slots.shape[0]
+    at, off, lens = slots.data_ptr(), rows.off.data_ptr(), rows.len.data_ptr()
+    context = rows.slots.data_ptr()
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise TypeError("bound_attention takes contiguous K/V caches")
+
+    def write(plane: int, key: Tensor, value: Tensor) -> None:
+        if n and lib.rlt_write_kv(
+            key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), at, n,
+            keys + plane * plane_bytes, values + plane * plane_bytes,
+            (planes - plane) * num_slots, kv_heads * d,
+        ):  # fmt: skip
+            raise IndexError(
+                f"write_kv: a slot of {slots.tolist()} lies outside "
+                f"[0, {(planes - plane) * num_slots})"
+            )
+
+    def attend(query: Tensor, plane: int, out: Tensor) -> None:
+        _, heads, rows_n, _ = query.shape
+        if rows_n and lib.rlt_paged_attention(
+            query.data_ptr(), query.stride(2), query.stride(1), keys + plane * plane_bytes,
+            values + plane * plane_bytes, context, off, lens, out.data_ptr(), rows_n, heads,
+            kv_heads, d, scaling,
+        ):  # fmt: skip
+            raise MemoryError("cpu paged_attention: no scratch memory")
+
+    return BoundAttention(write, attend, (key_cache, value_cache, slots, rows))
+
+
 @custom_op("rlt_cpu::rms_norm", lambda x, weight, eps: torch.empty_like(x))
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF's RMSNorm (two bf16 roundings) over the last dim, its sum of squares in a fixed order."""

@@ -199,6 +199,45 @@ def test_attention_reads_only_its_plane_and_its_own_requests_slots(driver):
         )
 
 
+def test_a_backends_bound_form_writes_and_attends_as_write_kv_and_forward(driver):
+    """``AttentionBackend.bind`` (what a bound decode loop calls once a loop): its writes land
+    where ``write_kv``'s do and its attention gives ``forward``'s bits, on every plane, in
+    each mode, with decode rows (heads contiguous views of a q|k|v row, as a model's loop
+    makes them) and a request whose blocks are out of order. Every backend is checked: the
+    message names each that fails."""
+    bad = [why for backend, det in _modes(driver) if (why := _bound_differs(driver, backend, det))]
+    assert not bad, "; ".join(bad)
+
+
+def _bound_differs(driver, backend, deterministic) -> str | None:
+    gen, dev = torch.Generator().manual_seed(4), driver.device.torch_device
+    meta = _meta([(1, 11, [0]), (1, 30, [5, 2]), (1, 3, [3])], dev)
+    n, what = meta.num_tokens, f"{backend.name} (deterministic={deterministic})"
+    want = _filled_store(driver, torch.Generator().manual_seed(5))
+    got = _filled_store(driver, torch.Generator().manual_seed(5))
+    try:
+        bound = backend.bind(got, meta, 32**-0.5, deterministic)
+        for plane in range(LAYOUT.num_planes):
+            qkv = rand_bf16(n, (HEADS + 4) * 32, gen=gen).to(dev)
+            k = qkv[:, HEADS * 32 : (HEADS + 2) * 32].view(n, 2, 32)
+            v = qkv[:, (HEADS + 2) * 32 :].view(n, 2, 32)
+            q = qkv[:, : HEADS * 32].view(n, HEADS, 32).transpose(0, 1)[None]
+            backend.write_kv(want, plane, k, v, meta)
+            bound.write(plane, k, v)
+            out = torch.full((n, HEADS * 32), 7.0, dtype=torch.bfloat16, device=dev)
+            bound.attend(q, plane, out)
+            if not torch.equal(out, backend.forward(q, plane, want, meta, 32**-0.5, deterministic)):
+                return f"{what} plane {plane}: bound attention differs from forward"
+    except Exception as exc:  # a backend that cannot run the check fails it, named
+        return f"{what}: {type(exc).__name__}: {exc}"
+    every = torch.arange(LAYOUT.num_slots, device=dev)
+    for plane in range(LAYOUT.num_planes):
+        for a, b in zip(want.gather(plane, every), got.gather(plane, every), strict=True):
+            if not torch.equal(a, b):
+                return f"{what}: bound writes differ from write_kv's on plane {plane}"
+    return None
+
+
 def test_a_query_never_sees_later_positions(driver):
     gen = torch.Generator().manual_seed(4)
     kv = _filled_store(driver, gen)

@@ -54,10 +54,25 @@ class OpRows:
 
 
 class Views:
-    """A row count's views of the buffers (made once per row count, not per layer)."""
+    """A row count's views of the buffers, made once per row count: each call's output and
+    input rows (the op's tile of them) and the input's extra rows (zeroed before the call)."""
 
-    def __init__(self, b: dict[str, torch.Tensor], n: int, heads: int, kv_heads: int, d: int):
-        self.buffers = b
+    # call site -> (op whose row tiles it takes, output buffer, input buffer)
+    SITES = {
+        "first": ("rms_norm", "x", "h"),
+        "qkv_proj": ("qkv_proj", "qkv", "x"),
+        "o_proj": ("o_proj", "a", "o"),
+        "ln_2": ("rms_norm", "a2", "a"),
+        "post_ln": ("rms_norm", "x", "h"),
+        "gate_up_proj": ("gate_up_proj", "gate_up", "x"),
+        "silu_mul": ("silu_mul", "act", "gate_up"),
+        "down_proj": ("down_proj", "m", "act"),
+        "post_ln_2": ("rms_norm", "a2", "m"),
+        "after": ("rms_norm", "x", "h"),
+    }
+
+    def __init__(self, b: dict[str, torch.Tensor], n: int, ops: dict[str, OpRows], cfg):
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv = b["qkv"][:n]
         self.q = qkv[:, : heads * d].view(n, heads, d)
         self.k = qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
@@ -66,6 +81,11 @@ class Views:
         self.query = self.rot[0].transpose(0, 1)[None]  # attention's [1, heads, n, d]
         self.o, self.h, self.a2 = b["o"][:n], b["h"][:n], b["a2"][:n]
         self.gate_up, self.act = b["gate_up"][:n], b["act"][:n]
+        self.out = b
+        self.calls: dict[str, tuple] = {}
+        for site, (op, _, src) in self.SITES.items():
+            m = ops[op].rows(n)
+            self.calls[site] = (b[src][:m], b[src][n:m] if m > n else None)
 
 
 class BoundLoop:
@@ -152,7 +172,7 @@ class BoundLoop:
             if not all(map(torch.equal, got, want)):
                 raise Unbound("rotary's bound kernel differs from the plan's rotary")
 
-    def _buffers_for(self, n: int) -> Views:
+    def _views_for(self, n: int) -> Views:
         views = self._views.get(n)
         if views is None:
             cfg = self.model.cfg
@@ -169,51 +189,48 @@ class BoundLoop:
                 self._buffers[m] = {
                     k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()
                 }
-            views = self._views[n] = Views(self._buffers[m], n, heads, kvh, d)
+            views = self._views[n] = Views(self._buffers[m], n, self.ops, cfg)
         return views
 
     def loop(self, t: int, h, cos, sin, kv) -> torch.Tensor:
         """``OuroModel.loop(t, h, cos, sin, kv, rows)``'s result, for ``runs`` calls."""
-        model, ops, n = self.model, self.ops, h.shape[0]
-        v = self._buffers_for(n)
-        b = v.buffers
-        norm, qkv, o_proj = ops["rms_norm"], ops["qkv_proj"], ops["o_proj"]
-        gate_up, down = ops["gate_up_proj"], ops["down_proj"]
+        model, n = self.model, h.shape[0]
+        v = self._views_for(n)
+        calls = v.calls
+        attention = model.backend.bind(
+            model.kv, kv.meta(t), model.scaling, model.attend_deterministic
+        )
         cos, sin = cos[0], sin[0]
-        backend, store, scaling = model.backend, model.kv, model.scaling
-        deterministic = model.attend_deterministic
         v.h.copy_(h)
-        _run(norm, self.first, b["x"], b["h"], n)
-        x = b["x"]
+        _run(self.first, v.out["x"], *calls["first"])
         for li, bound in enumerate(self.layers):
-            _run(qkv, bound["qkv_proj"], b["qkv"], x, n)
+            _run(bound["qkv_proj"], v.out["qkv"], *calls["qkv_proj"])
             if self.rotary_call is not None:
                 self.rotary_call(v.rot, v.q, v.k, cos, sin)
-                q, k = v.rot
-                query = v.query
+                k, query = v.rot[1], v.query
             else:
                 q, k = model.kernels.rotary(v.q, v.k, cos, sin)
                 query = q.transpose(0, 1)[None]
-            plane, meta = kv.plane(t, li), kv.meta(t)
-            backend.write_kv(store, plane, k, v.v, meta)
-            v.o.copy_(
-                backend.forward(query, plane, store, meta, scaling, deterministic=deterministic)
-            )
-            _run(o_proj, bound["o_proj"], b["a"], b["o"], n)
-            _run(norm, bound["ln_2"], b["a2"], b["a"], n)
+            plane = kv.plane(t, li)
+            attention.write(plane, k, v.v)
+            attention.attend(query, plane, v.o)
+            _run(bound["o_proj"], v.out["a"], *calls["o_proj"])
+            _run(bound["ln_2"], v.out["a2"], *calls["ln_2"])
             v.h.add_(v.a2)
-            _run(norm, bound["post_ln"], x, b["h"], n)
-            _run(gate_up, bound["gate_up_proj"], b["gate_up"], x, n)
+            _run(bound["post_ln"], v.out["x"], *calls["post_ln"])
+            _run(bound["gate_up_proj"], v.out["gate_up"], *calls["gate_up_proj"])
             if self.silu_call is not None:
-                _run(ops["silu_mul"], self.silu_call, b["act"], b["gate_up"], n)
+                _run(self.silu_call, v.out["act"], *calls["silu_mul"])
             else:
                 v.act.copy_(model.kernels.rows[self.kind]["silu_mul"](v.gate_up))
-            _run(down, bound["down_proj"], b["m"], b["act"], n)
-            _run(norm, bound["post_ln_2"], b["a2"], b["m"], n)
+            _run(bound["down_proj"], v.out["m"], *calls["down_proj"])
+            _run(bound["post_ln_2"], v.out["a2"], *calls["post_ln_2"])
             v.h.add_(v.a2)
-            if li + 1 == len(self.layers):  # the loop's state: a fresh tensor, as per op
-                x = torch.empty(norm.rows(n), b["x"].shape[1], dtype=torch.bfloat16)
-            _run(norm, bound["after"], x, b["h"], n)
+            if li + 1 < len(self.layers):
+                _run(bound["after"], v.out["x"], *calls["after"])
+        # The loop's state: a fresh tensor, as the per-op path returns it.
+        x = torch.empty(self.ops["rms_norm"].rows(n), v.h.shape[1], dtype=torch.bfloat16)
+        _run(self.layers[-1]["after"], x, *calls["after"])
         return x[:n]
 
 
@@ -226,12 +243,12 @@ def bound_loop(model, driver) -> BoundLoop | None:
         return None
 
 
-def _run(op: OpRows, call: Callable, out: torch.Tensor, x: torch.Tensor, n: int) -> None:
-    """``call`` on the rows ``op`` issues for ``n``: extra rows of ``x`` zeroed first."""
-    m = op.rows(n)
-    if m > n:
-        x[n:m].zero_()
-    call(out, x[:m])
+def _run(call: Callable, out: torch.Tensor, x: torch.Tensor, pad: torch.Tensor | None) -> None:
+    """``call(out, x)``, the extra rows ``pad`` of ``x`` (beyond the call's rows) zeroed first,
+    as ``plan.row_tiled`` pads them."""
+    if pad is not None:
+        pad.zero_()
+    call(out, x)
 
 
 def _row(k: int, gen: torch.Generator) -> torch.Tensor:
