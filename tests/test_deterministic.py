@@ -267,6 +267,18 @@ def test_fast_mode_on_cpu_attends_with_the_drivers_kernel_and_hf_exact_does_not(
         return kernel(query, *rest)
 
     monkeypatch.setattr(cpu_driver.kernels, "paged_attention", counted)
+    bind = cpu_driver.kernels.bound_attention
+
+    def counted_bound(*args):  # the bound decode loop's C attention
+        bound = bind(*args)
+
+        def attend(query, *rest):
+            calls.append(query.shape[-2])
+            return bound.attend(query, *rest)
+
+        return type(bound)(bound.write, attend, bound.operands)
+
+    monkeypatch.setattr(cpu_driver.kernels, "bound_attention", counted_bound)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     prompt = prompt_of(9, seed=3)
     for mode, want in (("fast", True), ("hf-exact", False)):

@@ -180,6 +180,24 @@ def test_a_verify_step_reading_a_rejected_drafts_kv_is_caught(gqa_base, monkeypa
         return write(plane, key, value, slots)
 
     monkeypatch.setattr(store, "write", stale_first_row)
+    backend, bind = spec.model.backend, spec.model.backend.bind
+    rows_of = (store.key_cache.flatten(0, 1), store.value_cache.flatten(0, 1))
+
+    def stale_bound(kv, meta, scaling, deterministic):  # the same bug in a bound decode loop
+        bound = bind(kv, meta, scaling, deterministic)
+
+        def write(plane, key, value):
+            if plane < first_late_plane or key.shape[0] != K + 1:
+                return bound.write(plane, key, value)
+            slot = plane * store.layout.num_slots + int(meta.slot_mapping[0])
+            kept = [rows[slot].clone() for rows in rows_of]
+            bound.write(plane, key, value)
+            for rows, old in zip(rows_of, kept, strict=True):
+                rows[slot] = old
+
+        return type(bound)(write, bound.attend, bound.operands)
+
+    monkeypatch.setattr(backend, "bind", stale_bound)
     with pytest.raises(AssertionError):
         assert_same(run(spec, jobs_of(llm), audit=False), want)
 
