@@ -29,6 +29,9 @@ PARAMS = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (3, 5, 7, 9, 6)
 PLANS = {
     "bf16": {"linear": "avx2"},
     "fast": {"mode": "fast", "linear": "avx2"},
+    # torch's projections have no bound form: they run their row functions inside the loop
+    "torch-linear": {"linear": "torch"},
+    "int8-torch": {"quantization": "int8", "linear": "int8-torch"},
     "int8": {"quantization": "int8", "linear": "int8-avx2"},
     "int8-w8a8": {
         "quantization": "int8",

@@ -17,16 +17,18 @@ once per row count. So a row's bits are the per-op path's, whatever the kernels'
 
 It runs a call only where ``OuroModel.loop`` would call every op on one row kind's kernels
 (``RowOps.split``), for 1 to ``GENERATED_TILE`` rows, with no recorder or profiler
-listening (both want each op's tensor or name). It is built only where every projection and
-norm of that kind has a bound form and the residual add is a plain add (no fused
-``add_rms_norm``), and only once each bound kernel has given its row function's bits on a
-row of this model's weights (``check``).
+listening (both want each op's tensor or name). It is built where the plan stacks q|k|v and
+gate|up, adds each residual plainly (no fused ``add_rms_norm``) and some kernel of it has a
+bound form (an op whose kernel has none, e.g. torch's, runs its row function on the call's
+rows), and only once each bound kernel has given its row function's bits on a row of this
+model's weights (``check``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import attrs
 import torch
@@ -95,7 +97,8 @@ class BoundLoop:
         self.model, self.kind, self.ops, self.layers = model, kind, ops, layers
         self.split = 0 if kind == "generated" else None  # RowOps.split of such calls
         self.first = first  # layer 0's input norm
-        self.silu_call, self.rotary_call = silu, rotary  # None: the plan's row function
+        self.silu_call = silu
+        self.rotary_call = rotary  # None: the plan's rotary function
         tiled = [b.tiles[-1] for b in ops.values() if b.tiles]
         self.max_rows = min([GENERATED_TILE, *tiled])
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
@@ -110,15 +113,17 @@ class BoundLoop:
         if k.add_rms_norm is not add_then_norm:
             raise Unbound("the plan runs a fused add_rms_norm")
         kind = "generated" if plan.split else "prompt"
-        ops, into = {}, {}
+        ops, into, bound_any = {}, {}, False
         for op in (*PROJECTIONS, "rms_norm", "silu_mul"):
             choice = plan.choice(kind, op)
             kernel = driver.kernel(hal_op(op), choice.kernel)
-            ops[op] = OpRows(choice.tiles)
             if kernel.into is not None:
-                into[op] = kernel.into
-            elif op != "silu_mul":  # the plan's torch silu_mul runs as its row function
-                raise Unbound(f"{op}'s kernel {kernel.name} has no bound form")
+                ops[op], into[op] = OpRows(choice.tiles), kernel.into
+                bound_any = True
+            else:  # its row function, which cuts its own tiles, on the call's own rows
+                ops[op], into[op] = OpRows(()), partial(by_row_function, k.rows[kind][op])
+        if not bound_any:  # e.g. cuda and npu, whose step graphs cut the host work instead
+            raise Unbound("no kernel of the plan has a bound form (Kernel.into)")
         eps, norm, layers = model.cfg.rms_norm_eps, into["rms_norm"], []
         for li, w in enumerate(model.layers):
             after = model.layers[li + 1].ln if li + 1 < len(model.layers) else model.norm
@@ -127,12 +132,10 @@ class BoundLoop:
                 bound[name] = norm(weight, eps)
             bound["post_ln_2"], bound["after"] = norm(w.post_ln_2, eps), norm(after, eps)
             layers.append(bound)
-        silu = into.get("silu_mul")
         rotary = dict(plan.fused).get("rotary")
         rotary_into = driver.kernel("rotary", rotary).into if rotary else None
         bound_loop = cls(
-            model, kind, ops, layers, norm(model.layers[0].ln, eps),
-            silu() if silu is not None else None,
+            model, kind, ops, layers, norm(model.layers[0].ln, eps), into["silu_mul"](),
             rotary_into() if rotary_into is not None else None,
         )  # fmt: skip
         bound_loop.check()
@@ -158,9 +161,8 @@ class BoundLoop:
             k = weight.in_features if hasattr(weight, "in_features") else weight.shape[1]
             _same(op, bound[op], rows[op], _row(k, gen), weight)
         _same("rms_norm", bound["ln_2"], rows["rms_norm"], _row(w.ln_2.shape[0], gen), w.ln_2, eps)
-        if self.silu_call is not None:
-            gate_up = _row(2 * self.model.cfg.intermediate_size, gen)
-            _same("silu_mul", self.silu_call, rows["silu_mul"], gate_up)
+        gate_up = _row(2 * self.model.cfg.intermediate_size, gen)
+        _same("silu_mul", self.silu_call, rows["silu_mul"], gate_up)
         if self.rotary_call is not None:
             cfg = self.model.cfg
             q = _row(cfg.num_attention_heads * cfg.head_dim, gen).view(1, -1, cfg.head_dim)
@@ -219,10 +221,7 @@ class BoundLoop:
             v.h.add_(v.a2)
             _run(bound["post_ln"], v.out["x"], *calls["post_ln"])
             _run(bound["gate_up_proj"], v.out["gate_up"], *calls["gate_up_proj"])
-            if self.silu_call is not None:
-                _run(self.silu_call, v.out["act"], *calls["silu_mul"])
-            else:
-                v.act.copy_(model.kernels.rows[self.kind]["silu_mul"](v.gate_up))
+            _run(self.silu_call, v.out["act"], *calls["silu_mul"])
             _run(bound["down_proj"], v.out["m"], *calls["down_proj"])
             _run(bound["post_ln_2"], v.out["a2"], *calls["post_ln_2"])
             v.h.add_(v.a2)
@@ -241,6 +240,17 @@ def bound_loop(model, driver) -> BoundLoop | None:
     except Unbound as exc:
         logger.debug("every layer pass runs per op: %s", exc)
         return None
+
+
+def by_row_function(fn: Callable, *consts) -> Callable:
+    """The bound form of an op whose kernel has none: ``fn`` (its row function, which cuts
+    its own row tiles as the per-op path does) on the call's rows, copied into ``out``."""
+
+    def call(out: torch.Tensor, x: torch.Tensor) -> None:
+        y = fn(x, *consts)
+        out[: y.shape[0]].copy_(y)
+
+    return call
 
 
 def _run(call: Callable, out: torch.Tensor, x: torch.Tensor, pad: torch.Tensor | None) -> None:
