@@ -37,6 +37,9 @@ def test_bench_latency_reports_figures_floors_and_ratios(tmp_path):
     overhead = report["python_overhead"]
     assert _positive(overhead["kernel_self_time_s"])
     assert 0 <= overhead["overhead_s"] < overhead["decode_step_wall_s"]
+    # The profiled step ran per op; the step before it as served (a bound loop where the plan
+    # binds a kernel, else None).
+    assert overhead["bound_step_wall_s"] is None or _positive(overhead["bound_step_wall_s"])
     assert _positive(report["peak_memory"]["peak_rss_bytes"])
     assert report["machine"]["torch"] and report["device"] == "cpu"
     # The cpu default plan; the GEMM rate (the prefill floor) uses its prompt rows' kernel.

@@ -78,10 +78,16 @@ def quiet_profile() -> torch.profiler.profile:
 
 def python_overhead(llm: LLM, prompt: list[int]) -> dict:
     """Wall time of one decode step against the time its kernels ran (torch.profiler): every
-    dispatcher op, aten's and the drivers' custom ops alike (``namespace::name``)."""
+    dispatcher op, aten's and the drivers' custom ops alike (``namespace::name``). The profiled
+    step runs per op (the bound decode loop steps aside while a profiler listens, as it calls
+    no op by name): ``bound_step_wall_s`` is the step before it, as served (None where the
+    model has no bound loop)."""
     eng = llm.engine
-    eng.add_request("overhead", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.add_request("overhead", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     eng.step()  # prefill
+    start = time.perf_counter()
+    eng.step()  # one decode step, unprofiled
+    unprofiled = time.perf_counter() - start
     with quiet_profile() as prof:
         start = time.perf_counter()
         eng.step()  # one decode step
@@ -93,6 +99,7 @@ def python_overhead(llm: LLM, prompt: list[int]) -> dict:
         "decode_step_wall_s": wall,
         "kernel_self_time_s": kernels,
         "overhead_s": max(wall - kernels, 0.0),
+        "bound_step_wall_s": unprofiled if llm.model.bound is not None else None,
     }
 
 

@@ -188,8 +188,10 @@ class BoundLoop:
                     "qo": (m, heads, d), "ko": (m, kvh, d), "o": (m, heads * d),
                     "a": (m, h), "a2": (m, h), "gate_up": (m, 2 * i), "act": (m, i), "m": (m, h),
                 }  # fmt: skip
+                like = self.model.embed  # the model's dtype and device
                 self._buffers[m] = {
-                    k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()
+                    k: torch.zeros(s, dtype=like.dtype, device=like.device)
+                    for k, s in shapes.items()
                 }
             views = self._views[n] = Views(self._buffers[m], n, self.ops, cfg)
         return views
@@ -228,7 +230,7 @@ class BoundLoop:
             if li + 1 < len(self.layers):
                 _run(bound["after"], v.out["x"], *calls["after"])
         # The loop's state: a fresh tensor, as the per-op path returns it.
-        x = torch.empty(self.ops["rms_norm"].rows(n), v.h.shape[1], dtype=torch.bfloat16)
+        x = v.h.new_empty(self.ops["rms_norm"].rows(n), v.h.shape[1])
         _run(self.layers[-1]["after"], x, *calls["after"])
         return x[:n]
 
