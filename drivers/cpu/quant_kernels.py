@@ -6,8 +6,8 @@ built with the driver's other kernels (``drivers.cpu.kernels``: one library, one
   in registers (int4 dequantized exactly, ``q * scale``), activations kept in fp32, the sums
   in linear_avx2's order. Offered as the "int8-avx2" and "int4-avx2" linear kernels; torch's
   own ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` (on its packing, derived
-  once per weight) are offered beside them as "int8-torch" and "int4-torch" (neither claims
-  row invariance), so the execution plan measures which to use.
+  once per weight: ``drivers.cpu.torch_quant``) are offered beside them as "int8-torch" and
+  "int4-torch" (neither claims row invariance), so the execution plan measures which to use.
 - ``linear_int8g_avx2`` and ``linear_int8g_a8_avx2``: int8 with one scale per group
   (``hal.quant``'s int8g, llm-compressor's W8A16), each weight dequantized exactly as int4's.
 - ``linear_int8_a8_avx2`` and ``linear_int4_a8_avx2`` (``csrc/linear_a8_avx2.c``): the same
@@ -46,6 +46,8 @@ from drivers.cpu.kernels import (
     library,
     linear_avx2,
 )
+from drivers.cpu.torch_quant import KERNELS as TORCH_QUANT_KERNELS
+from drivers.cpu.torch_quant import int4_torch, int8_torch  # noqa: F401 - benchmarks call them
 from hal.kernels import Kernel, KernelUnavailable
 from hal.quant import GROUP_SIZES, QuantizedWeight
 
@@ -321,67 +323,6 @@ def int4_a8_avx2(x: Tensor, w: QuantizedWeight) -> Tensor:
     return linear_int4_a8_avx2(x, w8, s8, w.shape[0], w.group_size)
 
 
-# -- torch's own weight-only kernels, offered so that the plan's trials measure them --------
-
-
-def _torch_op_available(*names: str) -> None:
-    missing = [n for n in names if not hasattr(torch, n)]
-    if missing:
-        raise KernelUnavailable(
-            f"this torch ({torch.__version__}) has no {', '.join(missing)}: use the avx2 or "
-            "dequant kernel"
-        )
-
-
-def _rows_2d(fn, x: Tensor, k: int) -> Tensor:
-    y = fn(x.reshape(-1, k).contiguous())
-    return y.view(*x.shape[:-1], y.shape[-1])
-
-
-TORCH_INT8_K = 8  # torch's int8 kernel reads K in steps of 8: a tail gives wrong sums or a crash
-
-
-def int8_torch(x: Tensor, w: QuantizedWeight) -> Tensor:
-    """``torch._weight_int8pack_mm``: hal.quant's int8 layout is already its own (K padded
-    with zeros to a multiple of 8, the weight's once)."""
-    pad = -w.in_features % TORCH_INT8_K
-    qweight = (
-        w.form("torch-int8-padded", lambda w: F.pad(w.qweight, (0, pad))) if pad else w.qweight
-    )
-
-    def call(rows: Tensor) -> Tensor:
-        return torch._weight_int8pack_mm(F.pad(rows, (0, pad)) if pad else rows, qweight, w.scale)
-
-    return _rows_2d(call, x, w.in_features)
-
-
-TORCH_INT4_N = 16  # torch's int4 packing takes N in multiples of 16
-
-
-def torch_int4pack(w: QuantizedWeight) -> tuple[Tensor, Tensor]:
-    """``w`` as ``torch._weight_int4pack_mm_for_cpu`` takes it: the packed ``u = q + 8``
-    (int32 ``[N, K]`` handed to ``torch._convert_weight_to_int4pack_for_cpu``), and scales
-    and zeros ``[K / group, N, 2]`` with zero 0 (torch dequantizes ``(u - 8) * scale +
-    zero``). N is padded to a multiple of 16 with zero weights."""
-    pad = -w.shape[0] % TORCH_INT4_N
-    u = F.pad(w.integers().to(torch.int32) + 8, (0, 0, 0, pad), value=8)
-    scale = F.pad(w.scale, (0, 0, 0, pad))
-    packed = torch._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
-    scales_and_zeros = torch.stack((scale, torch.zeros_like(scale)), dim=-1)
-    return packed, scales_and_zeros.transpose(0, 1).contiguous()
-
-
-def int4_torch(x: Tensor, w: QuantizedWeight) -> Tensor:
-    packed, scales_and_zeros = w.form("torch-int4pack", torch_int4pack)
-    n, group = w.shape[0], w.group_size
-
-    def call(rows: Tensor) -> Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(rows, packed, group, scales_and_zeros)
-        return y if y.shape[-1] == n else y[:, :n].contiguous()
-
-    return _rows_2d(call, x, w.in_features)
-
-
 # -- Kernel.into: each C kernel's operands as its wrapper passes them (tensors, then ints) ---
 
 
@@ -515,22 +456,5 @@ KERNELS = (
             ("int4-a8", int4_a8_vnni, "int4", "int8", "linear_int4_a8_vnni", _octets),
         )
     ),  # fmt: skip
-    Kernel(
-        "linear",
-        "int8-torch",
-        int8_torch,
-        scheme="int8",
-        check=lambda: _torch_op_available("_weight_int8pack_mm"),
-        description="torch._weight_int8pack_mm",
-    ),
-    Kernel(
-        "linear",
-        "int4-torch",
-        int4_torch,
-        scheme="int4",
-        check=lambda: _torch_op_available(
-            "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"
-        ),
-        description="torch._weight_int4pack_mm_for_cpu on its own packing (made once a weight)",
-    ),
+    *TORCH_QUANT_KERNELS,
 )
