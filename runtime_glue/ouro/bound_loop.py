@@ -56,7 +56,7 @@ class OpRows:
 
 
 class Views:
-    """A row count's views of the buffers, made once per row count: each call's output and
+    """A row count's views of the buffers, made once per row count: each call's output, its
     input rows (the op's tile of them) and the input's extra rows (zeroed before the call)."""
 
     # call site -> (op whose row tiles it takes, output buffer, input buffer)
@@ -83,11 +83,10 @@ class Views:
         self.query = self.rot[0].transpose(0, 1)[None]  # attention's [1, heads, n, d]
         self.o, self.h, self.a2 = b["o"][:n], b["h"][:n], b["a2"][:n]
         self.gate_up, self.act = b["gate_up"][:n], b["act"][:n]
-        self.out = b
         self.calls: dict[str, tuple] = {}
-        for site, (op, _, src) in self.SITES.items():
+        for site, (op, out, src) in self.SITES.items():
             m = ops[op].rows(n)
-            self.calls[site] = (b[src][:m], b[src][n:m] if m > n else None)
+            self.calls[site] = (b[out], b[src][:m], b[src][n:m] if m > n else None)
 
 
 class BoundLoop:
@@ -206,9 +205,9 @@ class BoundLoop:
         )
         cos, sin = cos[0], sin[0]
         v.h.copy_(h)
-        _run(self.first, v.out["x"], *calls["first"])
+        _run(self.first, *calls["first"])
         for li, bound in enumerate(self.layers):
-            _run(bound["qkv_proj"], v.out["qkv"], *calls["qkv_proj"])
+            _run(bound["qkv_proj"], *calls["qkv_proj"])
             if self.rotary_call is not None:
                 self.rotary_call(v.rot, v.q, v.k, cos, sin)
                 k, query = v.rot[1], v.query
@@ -218,20 +217,20 @@ class BoundLoop:
             plane = kv.plane(t, li)
             attention.write(plane, k, v.v)
             attention.attend(query, plane, v.o)
-            _run(bound["o_proj"], v.out["a"], *calls["o_proj"])
-            _run(bound["ln_2"], v.out["a2"], *calls["ln_2"])
+            _run(bound["o_proj"], *calls["o_proj"])
+            _run(bound["ln_2"], *calls["ln_2"])
             v.h.add_(v.a2)
-            _run(bound["post_ln"], v.out["x"], *calls["post_ln"])
-            _run(bound["gate_up_proj"], v.out["gate_up"], *calls["gate_up_proj"])
-            _run(self.silu_call, v.out["act"], *calls["silu_mul"])
-            _run(bound["down_proj"], v.out["m"], *calls["down_proj"])
-            _run(bound["post_ln_2"], v.out["a2"], *calls["post_ln_2"])
+            _run(bound["post_ln"], *calls["post_ln"])
+            _run(bound["gate_up_proj"], *calls["gate_up_proj"])
+            _run(self.silu_call, *calls["silu_mul"])
+            _run(bound["down_proj"], *calls["down_proj"])
+            _run(bound["post_ln_2"], *calls["post_ln_2"])
             v.h.add_(v.a2)
             if li + 1 < len(self.layers):
-                _run(bound["after"], v.out["x"], *calls["after"])
+                _run(bound["after"], *calls["after"])
         # The loop's state: a fresh tensor, as the per-op path returns it.
         x = v.h.new_empty(self.ops["rms_norm"].rows(n), v.h.shape[1])
-        _run(self.layers[-1]["after"], x, *calls["after"])
+        _run(self.layers[-1]["after"], x, *calls["after"][1:])
         return x[:n]
 
 
